@@ -1,0 +1,462 @@
+"""Memorizing Transformers (Wu, Rabe, Hutchins, Szegedy; ICLR 2022) in plain JAX.
+
+The whole model in one file, in the order of the paper:
+  Sec. 3      a decoder-only transformer with a Transformer-XL cache, a sliding-window
+              causal mask and the T5 relative position bias;
+  Sec. 3.2    normalized queries and keys with a learned per-head scale;
+  Sec. 3.1    the kNN-augmented attention layer: top-k retrieval from an external
+              memory, a FIFO ring buffer of the last M (key, value) pairs per batch
+              row and head, mixed with local attention by a per-head gate;
+  Sec. 3.3    an approximate top-k.
+
+Everything is a pure function over pytrees:
+  params = init_params(config, rng)
+  state = init_state(config, batch_size)
+  logits, state = forward(params, state, tokens, reset, config)
+
+Axes: B batch rows, T segment length, C cache length (T with the XL cache, else 0),
+S = C + T local keys, H heads, D head dim, M memory size, K neighbours, L layers,
+V vocab, E d_model, F d_ff.
+"""
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG_INF = -1e30  # finite "minus infinity": masked logits never produce NaN gradients
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # model (Sec. 4.2)
+    vocab_size: int = 32768
+    d_model: int = 1024
+    num_layers: int = 12
+    num_heads: int = 8
+    head_dim: int = 128
+    d_ff: int = 4096
+    segment_length: int = 512
+    xl_cache: bool = True
+    memory_layers: tuple = (8,)  # 0-based: the paper's "9th layer"
+    memory_size: int = 8192  # M, per batch row and head; 0 = no memory at all
+    num_neighbors: int = 32  # k
+    num_buckets: int = 32  # T5 relative position bias
+    max_distance: int = 128
+    exact_topk: bool = False  # True: lax.top_k; False: binned approximate top-k (Sec. 3.3)
+    topk_recall_target: float = 0.95  # sets the number of bins of the approximate top-k
+    memory_chunk: int = 4096  # memory slots scored at once: scores never exceed [B, H, T, chunk]
+    dtype: str = "float32"  # activations and matmuls; "bfloat16" for mixed precision
+    memory_dtype: str = "float32"  # storage of the memory and the XL cache
+    # training (Sec. 4.2)
+    batch_size: int = 256  # rows; a batch holds batch_size * segment_length tokens
+    grad_accum: int = 1  # micro-batches per step (rows are split between them)
+    steps: int = 500_000
+    lr: float = 1.0
+    warmup_steps: int = 1000
+    seed: int = 0
+
+    def __post_init__(self):
+        positive = ["vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "d_ff",
+                    "segment_length", "num_neighbors", "num_buckets", "max_distance",
+                    "memory_chunk", "batch_size", "grad_accum", "steps"]
+        for name in positive:
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
+        if self.max_distance <= self.num_buckets // 2:
+            raise ValueError(f"max_distance ({self.max_distance}) must exceed num_buckets // 2 "
+                             f"({self.num_buckets // 2}), where the T5 log-spaced buckets begin.")
+        if self.memory_size < 0:
+            raise ValueError(f"memory_size must be >= 0 (0 = no memory), got {self.memory_size}.")
+        if self.memory_size % self.segment_length:
+            raise ValueError(f"memory_size ({self.memory_size}) must be a multiple of "
+                             f"segment_length ({self.segment_length}).")
+        if self.memory_size and self.num_neighbors > self.memory_size:
+            raise ValueError(f"num_neighbors ({self.num_neighbors}) must be <= memory_size "
+                             f"({self.memory_size}).")
+        if not isinstance(self.memory_layers, tuple):
+            object.__setattr__(self, "memory_layers", tuple(self.memory_layers))
+        for layer in self.memory_layers:
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"memory layer index {layer} is out of range for "
+                                 f"{self.num_layers} layers (0-based).")
+        if len(set(self.memory_layers)) != len(self.memory_layers):
+            raise ValueError(f"memory_layers has a repeated index: {self.memory_layers}.")
+        if self.d_model % self.num_heads and self.num_heads * self.head_dim != self.d_model:
+            raise ValueError(f"num_heads * head_dim ({self.num_heads * self.head_dim}) must equal "
+                             f"d_model ({self.d_model}) when d_model is not divisible by num_heads.")
+        if not 0.0 < self.topk_recall_target < 1.0:
+            raise ValueError(f"topk_recall_target must be in (0, 1), got {self.topk_recall_target}.")
+        for name in ("dtype", "memory_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}.")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
+                             f"({self.grad_accum}).")
+        if self.lr <= 0 or self.warmup_steps < 0:
+            raise ValueError("lr must be > 0 and warmup_steps >= 0.")
+
+    @property
+    def active_memory_layers(self):
+        """The kNN-augmented layers; none when memory_size is 0."""
+        return tuple(sorted(self.memory_layers)) if self.memory_size else ()
+
+    @property
+    def cache_length(self):
+        return self.segment_length if self.xl_cache else 0
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS = {
+    # Sec. 4.2: 12 layers, d_model 1024, 8 heads of 128, FFN 4096, 32K vocab, T = 512, XL cache,
+    # memory in the 9th layer, M = 8192, k = 32; 2^17 tokens a batch = 256 rows of 512.
+    "paper": Config(),
+    # One GPU, a few minutes.
+    "small": Config(vocab_size=8192, d_model=512, num_layers=8, num_heads=8, head_dim=64, d_ff=2048,
+                    segment_length=512, memory_layers=(5,), memory_size=2048, batch_size=32,
+                    steps=5000, warmup_steps=500),
+    # A 2-core CPU: visibly learns within ten minutes.
+    "tiny": Config(vocab_size=2048, d_model=128, num_layers=4, num_heads=4, head_dim=32, d_ff=512,
+                   segment_length=128, memory_layers=(2,), memory_size=512, num_neighbors=32,
+                   batch_size=8, steps=600, warmup_steps=100, memory_chunk=1024),
+}
+
+
+class State(NamedTuple):
+    """Everything carried from one segment to the next; every leaf is batch-leading."""
+    cache_k: jax.Array  # [B, L, C, H, D] the previous segment's keys (Transformer-XL)
+    cache_v: jax.Array  # [B, L, C, H, D]
+    cache_valid: jax.Array  # [B, C] bool: False for padding and before a document start
+    mem_k: jax.Array  # [B, Lm, H, M, D] external memory (Sec. 3.1), a ring buffer
+    mem_v: jax.Array  # [B, Lm, H, M, D]
+    mem_valid: jax.Array  # [B, M] bool: slot holds a key of the current document
+    mem_pos: jax.Array  # [B] int32: next slot to write
+
+
+def init_state(config, batch_size):
+    c, m = config, config.memory_size
+    dt = jnp.dtype(c.memory_dtype)
+    n_mem = len(c.active_memory_layers)
+    C, H, D = c.cache_length, c.num_heads, c.head_dim
+    return State(
+        cache_k=jnp.zeros((batch_size, c.num_layers, C, H, D), dt),
+        cache_v=jnp.zeros((batch_size, c.num_layers, C, H, D), dt),
+        cache_valid=jnp.zeros((batch_size, C), bool),
+        mem_k=jnp.zeros((batch_size, n_mem, H, m if n_mem else 0, D), dt),
+        mem_v=jnp.zeros((batch_size, n_mem, H, m if n_mem else 0, D), dt),
+        mem_valid=jnp.zeros((batch_size, m if n_mem else 0), bool),
+        mem_pos=jnp.zeros((batch_size,), jnp.int32),
+    )
+
+
+# ----------------------------------------------------------------------------- params
+def init_params(config, rng):
+    """Nested dicts of float32 arrays. Initialization is documented in the README."""
+    c = config
+    E, H, D, F = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    keys = iter(jax.random.split(rng, 2 + 6 * c.num_layers))
+
+    def normal(shape, std):
+        return std * jax.random.normal(next(keys), shape, jnp.float32)
+
+    layers = []
+    for i in range(c.num_layers):
+        layer = {
+            "attn_norm": jnp.ones((E,)),
+            "wq": normal((E, H, D), E ** -0.5),
+            "wk": normal((E, H, D), E ** -0.5),
+            "wv": normal((E, H, D), E ** -0.5),
+            "wo": normal((H, D, E), (H * D * 2 * c.num_layers) ** -0.5),
+            # Sec. 3.2: q and k are unit vectors, so q.k has spread 1/sqrt(D); a scale of
+            # sqrt(D) gives the initial logits unit spread.
+            "qk_scale": jnp.full((H,), math.sqrt(D)),
+            "rel_bias": jnp.zeros((c.num_buckets, H)),  # T5 bias, one table a layer
+            "ffn_norm": jnp.ones((E,)),
+            "w1": normal((E, F), E ** -0.5),
+            "w2": normal((F, E), (F * 2 * c.num_layers) ** -0.5),
+        }
+        if i in c.active_memory_layers:
+            layer["gate_bias"] = jnp.zeros((H,))  # Eq. (1): g = sigmoid(0) = 0.5 at the start
+        layers.append(layer)
+    return {
+        "embed": normal((c.vocab_size, E), 1.0),
+        "layers": layers,
+        "final_norm": jnp.ones((E,)),
+        "w_out": normal((E, c.vocab_size), E ** -0.5),
+    }
+
+
+# ----------------------------------------------------------------------------- pieces
+def rms_norm(x, w):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (y * w[None, None, :]).astype(x.dtype)  # [B, T, E]
+
+
+def l2_normalize(x):
+    """Sec. 3.2: queries and keys become unit vectors along D."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def relative_position_bucket(relative_position, num_buckets=32, max_distance=128):
+    """T5's causal bucketing of relative_position = key_position - query_position (<= 0).
+
+    Distances below num_buckets // 2 get a bucket each; larger ones share log-spaced
+    buckets up to max_distance, after which everything is bucket num_buckets - 1.
+    """
+    n = jnp.maximum(-jnp.asarray(relative_position), 0)  # distance into the past, >= 0
+    max_exact = num_buckets // 2
+    log_ratio = jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact)
+    large = max_exact + (log_ratio / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).astype(jnp.int32)
+    large = jnp.minimum(large, num_buckets - 1)
+    return jnp.where(n < max_exact, n, large)
+
+
+def masked_softmax(logits, valid):
+    """Softmax over the last axis restricted to `valid`; a row with nothing valid is all 0."""
+    logits = jnp.where(valid, logits.astype(jnp.float32), NEG_INF)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.where(valid, jnp.exp(logits - jax.lax.stop_gradient(top)), 0.0)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.maximum(total, 1e-30), total[..., 0] > 0
+
+
+def local_attention(q, k, v, key_valid, rel_bias, scale, config):
+    """Sec. 3: causal self-attention over [XL cache; segment] with a sliding window and T5 bias.
+
+    q: [B, T, H, D]; k, v: [B, S, H, D] with S = C + T, the cache first; key_valid: [B, S].
+    Query t sits at position C + t; key s is visible iff 0 <= (C + t) - s <= T, that is,
+    each token sees itself and at most the previous segment_length tokens.
+    """
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    q_pos = jnp.arange(T)[:, None] + (S - T)  # [T, 1]
+    k_pos = jnp.arange(S)[None, :]  # [1, S]
+    dist = q_pos - k_pos  # [T, S]
+    window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
+    buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
+    bias = jnp.transpose(rel_bias[buckets], (2, 0, 1))  # [H, T, S]
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    logits = logits * scale[None, :, None, None] + bias[None]  # [B, H, T, S]
+    valid = window[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
+    weights, _ = masked_softmax(logits, valid)  # [B, H, T, S]
+    return jnp.einsum("bhts,bshd->bthd", weights.astype(v.dtype), v)  # [B, T, H, D]
+
+
+# ----------------------------------------------------------------------------- top-k (Sec. 3.3)
+def num_topk_bins(k, memory_size, recall_target):
+    """Bins for the approximate top-k: the fewest bins L with expected recall >= target.
+
+    Only a bin's best entry survives. With the true top-k spread uniformly over L bins,
+    the r-th best survives iff none of the r-1 better ones shares its bin, so the
+    expected recall is (1/k) * sum_r (1 - 1/L)^(r-1) = (L/k) * (1 - (1 - 1/L)^k),
+    about 1 - (k-1)/(2L). L is the smallest power of two meeting the target (at most M).
+    """
+    L = 1
+    while L < memory_size and (L / k) * (1 - (1 - 1 / L) ** k) < recall_target:
+        L *= 2
+    return min(L, memory_size)
+
+
+def _largest_divisor_at_most(n, cap):
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def bin_max(scores, bin_size):
+    """Each contiguous bin's best entry. scores: [..., N] -> values, indices: [..., N // bin_size]."""
+    binned = scores.reshape(scores.shape[:-1] + (-1, bin_size))  # [..., N / bin, bin]
+    arg = jnp.argmax(binned, axis=-1)  # [..., N / bin]
+    vals = jnp.take_along_axis(binned, arg[..., None], axis=-1)[..., 0]
+    return vals, arg + bin_size * jax.lax.broadcasted_iota(arg.dtype, arg.shape, arg.ndim - 1)
+
+
+def approx_top_k(scores, k, num_bins):
+    """Sec. 3.3: the exact top-k of the num_bins bin winners. num_bins == N gives exact top-k."""
+    vals, idx = bin_max(scores, scores.shape[-1] // num_bins)  # [..., L]
+    top, pos = jax.lax.top_k(vals, k)  # [..., K]
+    return top, jnp.take_along_axis(idx, pos, axis=-1)
+
+
+def memory_search(q, mem_k, mem_valid, scale, config):
+    """Top-k memory slots for every query, without ever building the [B, H, T, M] scores.
+
+    q: [B, T, H, D]; mem_k: [B, H, M, D]; mem_valid: [B, M] -> scores, slots: [B, H, T, K].
+    The memory is scanned in chunks; each chunk yields candidates (its exact top-k, or its
+    bins' winners), and the exact top-k of all candidates is the answer. Invalid slots score
+    NEG_INF. Not differentiable: retrieval only picks slots.
+    """
+    B, H, M, D = mem_k.shape
+    K = config.num_neighbors
+    chunk = config.segment_length * _largest_divisor_at_most(
+        M // config.segment_length, max(1, config.memory_chunk // config.segment_length))
+    n_chunks = M // chunk
+    if config.exact_topk:
+        bin_size = None
+    else:
+        bins = num_topk_bins(K, M, config.topk_recall_target)
+        bin_size = _largest_divisor_at_most(chunk, M // bins)
+    qs = jax.lax.stop_gradient(q) * scale.astype(q.dtype)[None, None, :, None]  # [B, T, H, D]
+    mem_k_chunks = jnp.moveaxis(mem_k.reshape(B, H, n_chunks, chunk, D), 2, 0)  # [n, B, H, chunk, D]
+    valid_chunks = jnp.moveaxis(mem_valid.reshape(B, n_chunks, chunk), 1, 0)  # [n, B, chunk]
+
+    def candidates(_, xs):
+        i, kc, vc = xs
+        s = jnp.einsum("bthd,bhmd->bhtm", qs, kc.astype(qs.dtype),
+                       preferred_element_type=jnp.float32)  # [B, H, T, chunk]
+        s = jnp.where(vc[:, None, None, :], s, NEG_INF)
+        if bin_size is None:
+            vals, idx = jax.lax.top_k(s, min(K, chunk))  # [B, H, T, K]
+        else:
+            vals, idx = bin_max(s, bin_size)  # [B, H, T, chunk / bin]
+        return None, (vals, idx + i * chunk)
+
+    _, (vals, idx) = jax.lax.scan(candidates, None, (jnp.arange(n_chunks), mem_k_chunks, valid_chunks))
+    vals = jnp.moveaxis(vals, 0, 3).reshape(B, H, q.shape[1], -1)  # [B, H, T, n * w]
+    idx = jnp.moveaxis(idx, 0, 3).reshape(B, H, q.shape[1], -1)
+    top, pos = jax.lax.top_k(vals, K)  # [B, H, T, K]
+    return top, jnp.take_along_axis(idx, pos, axis=-1)
+
+
+def knn_attention(q, mem_k, mem_v, mem_valid, scale, config):
+    """Sec. 3.1: attend to the top-k retrieved (key, value) pairs; no position bias.
+
+    q: [B, T, H, D]; mem_k, mem_v: [B, H, M, D]; mem_valid: [B, M].
+    Returns out [B, T, H, D], has_memory [B, T, H] (False where no valid slot was found),
+    slots [B, H, T, K] and weights [B, H, T, K]. Gradients reach q through the K retrieved
+    keys only; the memory itself is constant.
+    """
+    mem_k, mem_v = jax.lax.stop_gradient(mem_k), jax.lax.stop_gradient(mem_v)
+    _, slots = memory_search(q, mem_k, mem_valid, scale, config)  # [B, H, T, K]
+    take = jax.vmap(jax.vmap(lambda m, i: m[i]))  # per (b, h): [M, D], [T, K] -> [T, K, D]
+    keys = take(mem_k, slots).astype(q.dtype)  # [B, H, T, K, D]
+    vals = take(mem_v, slots).astype(q.dtype)  # [B, H, T, K, D]
+    valid = jax.vmap(lambda m, i: m[i])(mem_valid, slots)  # [B, H, T, K]
+    logits = jnp.einsum("bthd,bhtkd->bhtk", q, keys, preferred_element_type=jnp.float32)
+    weights, has_memory = masked_softmax(logits * scale[None, :, None, None], valid)  # [B, H, T, K], [B, H, T]
+    out = jnp.einsum("bhtk,bhtkd->bthd", weights.astype(vals.dtype), vals)  # [B, T, H, D]
+    return out, jnp.transpose(has_memory, (0, 2, 1)), slots, weights
+
+
+def write_memory(mem, new, pos, axis):
+    """FIFO ring buffer append: each row b writes new[b] at slot pos[b] along `axis`.
+
+    mem: [B, ..., M, ...], new: [B, ..., T, ...], pos: [B]; `axis` counts from after B.
+    M is a multiple of T and pos a multiple of T, so a write never wraps around.
+    """
+    def one_row(m, n, p):
+        start = tuple(p if a == axis else 0 for a in range(m.ndim))
+        return jax.lax.dynamic_update_slice(m, n.astype(m.dtype), start)
+    return jax.vmap(one_row)(mem, new, pos)
+
+
+# ----------------------------------------------------------------------------- the model
+def forward(params, state, tokens, reset, config, mask=None, return_retrievals=False):
+    """One segment of every row: tokens int [B, T], reset bool [B] (row starts a new document).
+
+    mask: bool [B, T], False on padding (default: all True); padding never enters the
+    memory or the cache as a valid entry. Returns (logits [B, T, V] float32, new_state), and
+    with return_retrievals also a list, per memory layer, of dicts with the retrieved
+    `slots` [B, H, T, K] and their attention `weights` [B, H, T, K].
+    """
+    c = config
+    B, T = tokens.shape
+    if T != c.segment_length:
+        raise ValueError(f"tokens have {T} positions but segment_length is {c.segment_length}.")
+    if not isinstance(tokens, jax.core.Tracer):
+        check_tokens(tokens, c.vocab_size)
+    dt = jnp.dtype(c.dtype)
+    mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
+    keep = ~reset.astype(bool)  # [B]
+    # A document start clears the row's cache and memory: nothing crosses a document boundary.
+    cache_valid = state.cache_valid & keep[:, None]  # [B, C]
+    mem_valid = state.mem_valid & keep[:, None]  # [B, M]
+    mem_pos = jnp.where(keep, state.mem_pos, 0)  # [B]
+    key_valid = jnp.concatenate([cache_valid, mask], axis=1)  # [B, S]
+
+    x = params["embed"][tokens].astype(dt)  # [B, T, E]
+    new_k, new_v, new_mem_k, new_mem_v, retrievals = [], [], [], [], []
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["attn_norm"])  # [B, T, E]
+        q = l2_normalize(jnp.einsum("bte,ehd->bthd", h, p["wq"].astype(dt)))  # [B, T, H, D]
+        k = l2_normalize(jnp.einsum("bte,ehd->bthd", h, p["wk"].astype(dt)))  # [B, T, H, D]
+        v = jnp.einsum("bte,ehd->bthd", h, p["wv"].astype(dt))  # [B, T, H, D]
+        scale = p["qk_scale"]  # [H]
+        # Transformer-XL: prepend the previous segment's keys and values; no gradient into them.
+        cache_k, cache_v = jax.lax.stop_gradient((state.cache_k[:, i], state.cache_v[:, i]))
+        ks = jnp.concatenate([cache_k.astype(dt), k], axis=1)  # [B, S, H, D]
+        vs = jnp.concatenate([cache_v.astype(dt), v], axis=1)  # [B, S, H, D]
+        out = local_attention(q, ks, vs, key_valid, p["rel_bias"], scale, c)  # [B, T, H, D]
+        if i in c.active_memory_layers:
+            j = c.active_memory_layers.index(i)
+            mem_out, has_memory, slots, weights = knn_attention(
+                q, state.mem_k[:, j], state.mem_v[:, j], mem_valid, scale, c)
+            # Eqs. (1)-(2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g) per head. A query
+            # with no valid memory (empty memory) keeps its local result.
+            g = jax.nn.sigmoid(p["gate_bias"])[None, None, :] * has_memory  # [B, T, H]
+            out = (mem_out * g[..., None] + out * (1 - g[..., None])).astype(dt)  # [B, T, H, D]
+            # Retrieve, then append this segment's keys and values (Sec. 3.1).
+            kT = jnp.transpose(jax.lax.stop_gradient(k), (0, 2, 1, 3))  # [B, H, T, D]
+            vT = jnp.transpose(jax.lax.stop_gradient(v), (0, 2, 1, 3))  # [B, H, T, D]
+            new_mem_k.append(write_memory(state.mem_k[:, j], kT, mem_pos, axis=1))  # [B, H, M, D]
+            new_mem_v.append(write_memory(state.mem_v[:, j], vT, mem_pos, axis=1))
+            retrievals.append({"slots": slots, "weights": weights})
+        x = x + jnp.einsum("bthd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
+        h = rms_norm(x, p["ffn_norm"])  # [B, T, E]
+        x = x + jax.nn.gelu(h @ p["w1"].astype(dt)) @ p["w2"].astype(dt)  # [B, T, E]
+        new_k.append(jax.lax.stop_gradient(k))
+        new_v.append(jax.lax.stop_gradient(v))
+
+    logits = jnp.einsum("bte,ev->btv", rms_norm(x, params["final_norm"]),
+                        params["w_out"].astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]
+    cdt = state.cache_k.dtype
+    if c.xl_cache:
+        cache_k = jnp.stack(new_k, axis=1).astype(cdt)  # [B, L, T, H, D]
+        cache_v = jnp.stack(new_v, axis=1).astype(cdt)
+        cache_valid = mask
+    else:
+        cache_k, cache_v = state.cache_k, state.cache_v  # zero-length
+    if new_mem_k:
+        mem_k = jnp.stack(new_mem_k, axis=1)  # [B, Lm, H, M, D]
+        mem_v = jnp.stack(new_mem_v, axis=1)
+        mem_valid = write_memory(mem_valid, mask, mem_pos, axis=0)  # [B, M]
+        mem_pos = (mem_pos + T) % c.memory_size
+    else:
+        mem_k, mem_v = state.mem_k, state.mem_v
+    new_state = State(cache_k, cache_v, cache_valid, mem_k, mem_v, mem_valid, mem_pos)
+    if return_retrievals:
+        return logits, new_state, retrievals
+    return logits, new_state
+
+
+def check_tokens(tokens, vocab_size):
+    """Raise a clear error for token ids outside [0, vocab_size); never clip silently."""
+    t = np.asarray(tokens)
+    if t.size and (t.min() < 0 or t.max() >= vocab_size):
+        bad = t[(t < 0) | (t >= vocab_size)][0]
+        raise ValueError(f"token id {int(bad)} is out of range for vocab_size {vocab_size}.")
+
+
+def cross_entropy(logits, targets):
+    """Per-token cross-entropy in nats: [B, T, V], [B, T] -> [B, T]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def loss(logits, targets, mask):
+    """Mean cross-entropy over the unmasked tokens."""
+    m = mask.astype(jnp.float32)
+    return jnp.sum(cross_entropy(logits, targets) * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def memory_off(params):
+    """The memory-off ablation: the same weights with every gate forced to 0 (local only)."""
+    layers = [dict(p, gate_bias=jnp.full_like(p["gate_bias"], -1e9)) if "gate_bias" in p else p
+              for p in params["layers"]]
+    return dict(params, layers=layers)

@@ -1,0 +1,417 @@
+"""Executable spec of memorizing_transformer.py: every property against an exact reference.
+
+References are independent of the model code: dense softmax attention in numpy float64,
+explicit loops, and a one-shot numpy model over the whole document.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import memorizing_transformer as mt
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
+SETTINGS = settings(deadline=None, max_examples=12, derandomize=True)
+
+# A few fixed shapes, so that jit compiles each once.
+SMALL = mt.Config(vocab_size=61, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48,
+                  segment_length=8, memory_layers=(1,), memory_size=32, num_neighbors=8,
+                  memory_chunk=16, batch_size=2)
+forward = jax.jit(mt.forward, static_argnames=("config", "return_retrievals"))
+
+
+# ----------------------------------------------------------------------------- numpy references
+def np_softmax_masked(logits, valid):
+    """Dense softmax over valid entries; a row with none valid is all zeros."""
+    logits = np.where(valid, logits, -np.inf)
+    top = np.max(logits, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    p = np.where(valid, np.exp(logits - top), 0.0)
+    total = p.sum(-1, keepdims=True)
+    return np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0)
+
+
+def np_t5_bucket(n, num_buckets=32, max_distance=128):
+    """T5's formula for a non-negative distance n into the past, one number at a time."""
+    exact = num_buckets // 2
+    if n < exact:
+        return n
+    b = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return min(b, num_buckets - 1)
+
+
+def np_rms_norm(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def np_unit(x):
+    return x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
+
+
+def np_gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def reference_forward(params, tokens, config, gate=None):
+    """The whole document in one pass, numpy float64.
+
+    Local attention: a banded causal mask (itself and the previous T tokens) with the XL
+    cache, or causal within each segment without it. Memory layers: dense softmax over every
+    key of the earlier segments (block-causal), no position bias, mixed by the gate; `gate`
+    'memory' / 'local' forces g = 1 / g = 0. Tokens of the first segment keep the local result.
+    """
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    T, N = config.segment_length, tokens.shape[1]
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    dist = i - j
+    band = (dist >= 0) & ((dist <= T) if config.xl_cache else (i // T == j // T))
+    earlier = (j // T) < (i // T)
+    buckets = np.vectorize(lambda n: np_t5_bucket(max(n, 0), config.num_buckets, config.max_distance))(dist)
+    x = p["embed"][tokens]
+    for layer, lp in enumerate(p["layers"]):
+        h = np_rms_norm(x, lp["attn_norm"])
+        q = np_unit(np.einsum("bte,ehd->bthd", h, lp["wq"]))
+        k = np_unit(np.einsum("bte,ehd->bthd", h, lp["wk"]))
+        v = np.einsum("bte,ehd->bthd", h, lp["wv"])
+        dots = np.einsum("bihd,bjhd->bhij", q, k) * lp["qk_scale"][None, :, None, None]
+        bias = np.transpose(lp["rel_bias"][buckets], (2, 0, 1))[None]
+        out = np.einsum("bhij,bjhd->bihd", np_softmax_masked(dots + bias, band), v)
+        if layer in config.active_memory_layers:
+            mem = np.einsum("bhij,bjhd->bihd", np_softmax_masked(dots, earlier), v)
+            g = {"memory": 1.0, "local": 0.0, None: None}[gate]
+            g = 1 / (1 + np.exp(-lp["gate_bias"])) if g is None else np.full(config.num_heads, g)
+            g = g[None, None, :, None] * earlier.any(-1)[None, :, None, None]
+            out = mem * g + out * (1 - g)
+        x = x + np.einsum("bthd,hde->bte", out, lp["wo"])
+        x = x + np_gelu(np_rms_norm(x, lp["ffn_norm"]) @ lp["w1"]) @ lp["w2"]
+    return np_rms_norm(x, p["final_norm"]) @ p["w_out"]
+
+
+def stream(params, tokens, config, state=None, reset_first=True):
+    """Run the model segment by segment over tokens [B, N*T]; returns logits [B, N*T, V]."""
+    B, T = tokens.shape[0], config.segment_length
+    state = mt.init_state(config, B) if state is None else state
+    out = []
+    for n in range(tokens.shape[1] // T):
+        reset = jnp.full((B,), reset_first and n == 0)
+        logits, state = forward(params, state, tokens[:, n * T:(n + 1) * T], reset, config)
+        out.append(logits)
+    return jnp.concatenate(out, axis=1), state
+
+
+def random_tokens(seed, config, batch, segments):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, config.vocab_size, (batch, segments * config.segment_length)))
+
+
+# ----------------------------------------------------------------------------- T5 buckets
+def test_t5_buckets_match_hand_computed_values():
+    # num_buckets 32, max_distance 128: distances < 16 exact, then 16 + floor(log(n/16)/log(8)*16).
+    distances = np.array([0, 1, 15, 16, 20, 32, 64, 127, 128, 1000])
+    expected = np.array([0, 1, 15, 16, 17, 21, 26, 31, 31, 31])
+    np.testing.assert_array_equal(mt.relative_position_bucket(-distances), expected)
+    # The future (positive relative position) falls in bucket 0 in a causal model.
+    np.testing.assert_array_equal(mt.relative_position_bucket(np.array([1, 5])), [0, 0])
+
+
+@SETTINGS
+@given(nb=st.sampled_from([8, 16, 32]), md=st.sampled_from([24, 64, 128]))
+def test_t5_buckets_are_monotone_and_saturate(nb, md):
+    n = np.arange(0, 4 * md)
+    b = np.asarray(mt.relative_position_bucket(-n, nb, md))
+    assert np.all(np.diff(b) >= 0)
+    assert b[-1] == nb - 1 and b.max() == nb - 1
+    np.testing.assert_array_equal(b, [np_t5_bucket(int(d), nb, md) for d in n])
+
+
+# ----------------------------------------------------------------------------- local attention
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans())
+def test_local_attention_equals_explicit_loops(seed, xl, reset):
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(xl_cache=xl)
+    B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
+    q, k, v = (rng.standard_normal((B, n, H, D)).astype(np.float32) for n in (T, C + T, C + T))
+    key_valid = rng.random((B, C + T)) < 0.8
+    key_valid[:, C:] = True
+    if reset:
+        key_valid[:, :C] = False
+    bias = rng.standard_normal((cfg.num_buckets, H)).astype(np.float32)
+    scale = rng.uniform(1, 5, H).astype(np.float32)
+    got = jax.jit(mt.local_attention, static_argnums=6)(q, k, v, key_valid, bias, scale, cfg)
+    want = np.zeros((B, T, H, D))
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                keys = [s for s in range(C + T) if key_valid[b, s] and 0 <= C + t - s <= T]
+                logits = [scale[h] * q[b, t, h] @ k[b, s, h] + bias[np_t5_bucket(C + t - s), h] for s in keys]
+                w = np.exp(np.array(logits) - max(logits))
+                want[b, t, h] = sum(wi * v[b, s, h] for wi, s in zip(w / w.sum(), keys))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- kNN attention
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]))
+def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill):
+    """Exact top-k with k = number of valid entries retrieves them all: dense softmax over them."""
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=max(fill, 1))
+    B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
+    q = np_unit(rng.standard_normal((B, T, H, D))).astype(np.float32)
+    mk = np_unit(rng.standard_normal((B, H, M, D))).astype(np.float32)
+    mv = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    for b in range(B):
+        valid[b, rng.choice(M, fill, replace=False)] = True
+    scale = rng.uniform(1, 5, H).astype(np.float32)
+    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=5)(q, mk, mv, valid, scale, cfg)
+    w = np_softmax_masked(np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :])
+    np.testing.assert_allclose(out, np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
+    assert np.all(np.asarray(has) == (fill > 0))
+    assert np.all(np.isfinite(out))
+
+
+def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients():
+    cfg = SMALL
+    B, T, H, D, M = 1, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
+    q = jnp.ones((B, T, H, D)) / math.sqrt(D)
+    zeros = jnp.zeros((B, H, M, D))
+    f = lambda q: mt.knn_attention(q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg)[0].sum()
+    g = jax.grad(f)(q)
+    assert np.isfinite(f(q)) and np.all(np.isfinite(g))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]))
+def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(exact_topk=True, memory_size=64, memory_chunk=16)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, fill, replace=False)] = True
+    scores, slots = jax.jit(mt.memory_search, static_argnums=4)(q, mk, valid, jnp.ones(H), cfg)
+    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
+    want = np.sort(s, axis=-1)[..., ::-1][..., :K]
+    got = np.where(np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), np.asarray(slots), -1),
+                   np.asarray(scores), -np.inf)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The slots are the ones holding those scores.
+    np.testing.assert_allclose(np.take_along_axis(s, np.asarray(slots), -1)[..., :min(K, fill)],
+                               want[..., :min(K, fill)], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- approximate top-k
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16))
+def test_approx_top_k_with_one_bin_per_entry_equals_exact_top_k(seed):
+    x = np.random.default_rng(seed).standard_normal((3, 5, 256)).astype(np.float32)
+    vals, idx = mt.approx_top_k(x, 16, num_bins=256)
+    ev, ei = jax.lax.top_k(x, 16)
+    np.testing.assert_array_equal(vals, ev)
+    np.testing.assert_array_equal(idx, ei)
+
+
+def recall(slots, exact_slots):
+    hits = [len(set(a) & set(b)) for a, b in zip(slots.reshape(-1, slots.shape[-1]).tolist(),
+                                                 exact_slots.reshape(-1, slots.shape[-1]).tolist())]
+    return sum(hits) / exact_slots.size
+
+
+@pytest.mark.parametrize("memory_size", [8192, 65536])
+def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size):
+    cfg = mt.Config(memory_size=memory_size, segment_length=64, num_neighbors=32, head_dim=32, num_heads=1)
+    rng = np.random.default_rng(0)
+    q = np_unit(rng.standard_normal((1, 64, 1, 32))).astype(np.float32)
+    mk = np_unit(rng.standard_normal((1, 1, memory_size, 32))).astype(np.float32)
+    valid = np.ones((1, memory_size), bool)
+    _, approx = mt.memory_search(q, mk, valid, jnp.ones(1), cfg)
+    _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
+    r = recall(np.asarray(approx), np.asarray(exact))
+    L = mt.num_topk_bins(32, memory_size, cfg.topk_recall_target)
+    assert r >= 0.9, r
+    assert abs(r - (L / 32) * (1 - (1 - 1 / L) ** 32)) < 0.03  # the documented formula predicts it
+
+
+# ----------------------------------------------------------------------------- whole model
+@pytest.fixture(scope="module")
+def params():
+    return mt.init_params(SMALL, jax.random.PRNGKey(0))
+
+
+def randomize(params, seed):
+    """Non-trivial biases and gates, so that the tests see them."""
+    rng = np.random.default_rng(seed)
+    layers = [dict(p, rel_bias=jnp.asarray(rng.standard_normal(p["rel_bias"].shape), jnp.float32),
+                   **({"gate_bias": jnp.asarray(rng.standard_normal(p["gate_bias"].shape), jnp.float32)}
+                      if "gate_bias" in p else {})) for p in params["layers"]]
+    return dict(params, layers=layers)
+
+
+@pytest.mark.parametrize("xl", [True, False])
+def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl):
+    cfg = SMALL.replace(memory_size=0, xl_cache=xl)
+    params = randomize(mt.init_params(cfg, jax.random.PRNGKey(1)), 1)
+    tokens = random_tokens(0, cfg, 2, 4)
+    got, _ = stream(params, tokens, cfg)
+    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("gate", [None, "memory", "local"])
+@pytest.mark.parametrize("xl", [True, False])
+def test_memory_streaming_equals_dense_attention_to_earlier_segments(params, gate, xl):
+    """The memory holds the whole document and k = M: the memory layer is dense block-causal."""
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, xl_cache=xl)
+    params = randomize(params, 2)
+    if gate:  # b_g -> +inf gives memory-only attention, b_g -> -inf local-only
+        layers = [dict(p, gate_bias=jnp.full_like(p["gate_bias"], 1e4 if gate == "memory" else -1e4))
+                  if "gate_bias" in p else p for p in params["layers"]]
+        params = dict(params, layers=layers)
+    tokens = random_tokens(1, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
+    got, _ = stream(params, tokens, cfg)
+    want = reference_forward(params, np.asarray(tokens), cfg, gate=gate)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+
+@SETTINGS
+@given(pos=st.integers(0, 4 * SMALL.segment_length - 1), seed=st.integers(0, 100))
+def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed):
+    tokens = np.asarray(random_tokens(seed, SMALL, 2, 4))
+    changed = tokens.copy()
+    changed[:, pos] = (changed[:, pos] + 1) % SMALL.vocab_size
+    a, _ = stream(params, jnp.asarray(tokens), SMALL)
+    b, _ = stream(params, jnp.asarray(changed), SMALL)
+    np.testing.assert_array_equal(a[:, :pos], b[:, :pos])
+    assert not np.allclose(a[:, pos:], b[:, pos:])
+
+
+@SETTINGS
+@given(n=st.integers(1, 2 * SMALL.memory_size // SMALL.segment_length + 1))
+def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
+    cfg, T, M = SMALL, SMALL.segment_length, SMALL.memory_size
+    state = mt.init_state(cfg, 2)
+    written = []  # the keys of each segment, read off the XL cache of the memory layer
+    for i in range(n):
+        tokens = random_tokens(100 + i, cfg, 2, 1)
+        _, state = forward(params, state, tokens, jnp.full((2,), i == 0), cfg)
+        written.append(np.asarray(state.cache_k[:, cfg.memory_layers[0]]))  # [B, T, H, D]
+    valid = np.asarray(state.mem_valid)
+    assert valid.sum(1).tolist() == [min(n * T, M)] * 2
+    mem = np.asarray(state.mem_k[:, 0])  # [B, H, M, D]
+    slots_per_segment = M // T
+    for age, keys in enumerate(reversed(written[-slots_per_segment:])):  # newest first
+        start = ((n - 1 - age) * T) % M
+        np.testing.assert_array_equal(mem[:, :, start:start + T], np.transpose(keys, (0, 2, 1, 3)))
+        assert valid[:, start:start + T].all()
+    assert int(state.mem_pos[0]) == (n * T) % M
+    # A reset clears only the flagged rows.
+    _, state = forward(params, state, random_tokens(7, cfg, 2, 1), jnp.array([True, False]), cfg)
+    assert np.asarray(state.mem_valid).sum(1).tolist() == [T, min((n + 1) * T, M)]
+
+
+def test_padding_is_never_stored_as_a_valid_entry(params):
+    cfg = SMALL
+    mask = np.ones((2, cfg.segment_length), bool)
+    mask[0, 5:] = False
+    _, state = forward(params, mt.init_state(cfg, 2), random_tokens(0, cfg, 2, 1), jnp.ones(2, bool), cfg,
+                       mask=jnp.asarray(mask))
+    assert np.asarray(state.mem_valid).sum(1).tolist() == [5, cfg.segment_length]
+    assert np.asarray(state.cache_valid).sum(1).tolist() == [5, cfg.segment_length]
+
+
+def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(params):
+    cfg = SMALL
+    history = random_tokens(3, cfg, 2, 5)  # fills the memory past wrap-around
+    doc = random_tokens(4, cfg, 2, 3)
+    _, state = stream(params, history, cfg)
+    # Row 0 starts a new document; row 1 continues its old one.
+    logits, out = [], state
+    for n in range(3):
+        seg = doc[:, n * cfg.segment_length:(n + 1) * cfg.segment_length]
+        lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg)
+        logits.append(lg)
+    logits = jnp.concatenate(logits, axis=1)
+    fresh, _ = stream(params, doc[:1], cfg)
+    np.testing.assert_allclose(logits[0], fresh[0], atol=1e-5, rtol=1e-5)
+    # Row 1 alone, with the same history, gives the same numbers as in the batch.
+    alone, _ = stream(params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg)
+    np.testing.assert_allclose(logits[1], alone[0, history.shape[1]:], atol=1e-5, rtol=1e-5)
+
+
+def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_local_path(params):
+    cfg = SMALL
+    params = randomize(params, 3)
+    tokens = random_tokens(5, cfg, 2, 3)
+    _, state = stream(params, tokens[:, :2 * cfg.segment_length], cfg)
+    seg = tokens[:, 2 * cfg.segment_length:]
+
+    names = ("cache_k", "cache_v", "mem_k", "mem_v")
+
+    def f(params, arrays):
+        logits, _ = mt.forward(params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg)
+        return mt.loss(logits, seg, jnp.ones(seg.shape, bool))
+
+    gp, gs = jax.grad(f, argnums=(0, 1))(params, {n: getattr(state, n) for n in names})
+    for name in names:
+        assert not np.any(np.asarray(gs[name])), name
+    mem_layer = gp["layers"][cfg.memory_layers[0]]
+    for name in ("wq", "gate_bias", "rel_bias", "wk", "wv", "qk_scale"):
+        assert np.any(np.asarray(mem_layer[name]) != 0), name
+
+
+def test_memory_off_ablation_equals_local_only_reference(params):
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size)
+    params = randomize(params, 4)
+    tokens = random_tokens(6, cfg, 2, 3)
+    got, _ = stream(mt.memory_off(params), tokens, cfg)
+    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg, gate="local"),
+                               atol=2e-4, rtol=2e-4)
+
+
+def test_return_retrievals_gives_valid_slots_of_the_current_document(params):
+    cfg = SMALL
+    state = mt.init_state(cfg, 2)
+    tokens = random_tokens(8, cfg, 2, 2)
+    T = cfg.segment_length
+    _, state = forward(params, state, tokens[:, :T], jnp.ones(2, bool), cfg)
+    _, _, ret = forward(params, state, tokens[:, T:], jnp.zeros(2, bool), cfg, return_retrievals=True)
+    (r,) = ret
+    assert r["slots"].shape == (2, cfg.num_heads, T, cfg.num_neighbors)
+    w = np.asarray(r["weights"])
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+    # Only the first T slots are filled: a weight on any other slot would be a bug.
+    assert np.all(np.where(w > 0, np.asarray(r["slots"]) < T, True))
+
+
+def test_out_of_range_token_ids_raise_a_clear_error(params):
+    tokens = np.zeros((2, SMALL.segment_length), np.int32)
+    tokens[1, 3] = SMALL.vocab_size
+    with pytest.raises(ValueError, match="out of range"):
+        mt.forward(params, mt.init_state(SMALL, 2), tokens, jnp.ones(2, bool), SMALL)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"memory_size": 100}, "multiple of segment_length"),
+    ({"num_neighbors": 64, "memory_size": 32}, "num_neighbors"),
+    ({"memory_layers": (2,)}, "out of range"),
+    ({"d_model": 30, "num_heads": 4, "head_dim": 8}, "head_dim"),
+    ({"segment_length": 0}, "segment_length"),
+    ({"memory_size": -8}, "memory_size"),
+    ({"dtype": "float16"}, "dtype"),
+    ({"max_distance": 16}, "max_distance"),
+])
+def test_config_rejects_bad_fields_with_a_clear_sentence(changes, field):
+    with pytest.raises(ValueError, match=field):
+        SMALL.replace(**changes)
+
+
+def test_presets_are_valid_and_paper_matches_section_4_2():
+    p = mt.PRESETS["paper"]
+    assert (p.num_layers, p.d_model, p.num_heads, p.head_dim, p.d_ff, p.vocab_size) == (12, 1024, 8, 128, 4096, 32768)
+    assert (p.segment_length, p.xl_cache, p.memory_layers, p.memory_size, p.num_neighbors) == (512, True, (8,), 8192, 32)
+    assert p.batch_size * p.segment_length == 2 ** 17
