@@ -1,0 +1,490 @@
+"""Documents -> tokens -> ordered segments -> batches (Sec. 3 "Batching", Sec. 4.1).
+
+  docs = load_documents("stdlib")                 # [Document(id, text, parts)]
+  sp = get_tokenizer(docs, vocab_size, cache_dir)  # SentencePiece, trained once and cached
+  train, valid = split_documents(docs, 0.05, seed)
+  tokens = tokenize(train, sp, cache_dir, key)     # [int32 array per document]
+  for batch in segment_batches(tokens, B, T, seed): ...
+
+A batch row streams one document after another, each cut into consecutive segments of T
+tokens in order (never shuffled); the row's `reset` flag marks a document's first segment,
+where the model clears that row's memory and cache.
+"""
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import sys
+import sysconfig
+from typing import NamedTuple
+
+import numpy as np
+
+PAD_ID = 0  # padding: always masked
+
+
+class DataError(ValueError):
+    """Bad input data: the message is one sentence for the user."""
+
+
+class Document(NamedTuple):
+    id: str
+    text: str
+    parts: tuple = ()  # synthetic only: ((text, is_reference), ...) whose concatenation is text
+
+
+# ----------------------------------------------------------------------------- sources
+def _read_text_file(path, stats):
+    """The file's text, or None (counted in stats) if it is binary or not UTF-8."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if b"\0" in raw:
+        stats["binary"] += 1
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        stats["not_utf8"] += 1
+        return None
+
+
+def _python_imports(text):
+    """Module names a Python file imports (`import a.b`, `from .a import b`)."""
+    return {a or b for a, b in re.findall(r"^\s*(?:from\s+\.*([\w.]+)\s+import|import\s+([\w.]+))", text, re.M)}
+
+
+def _dependency_order(files):
+    """Order (name, text) pairs so that a module comes before the modules that import it."""
+    by_module = {os.path.splitext(os.path.basename(n))[0]: n for n, _ in files}
+    text = dict(files)
+    done, order = set(), []
+
+    def visit(name, stack):
+        if name in done or name in stack:
+            return
+        stack.add(name)
+        for imp in sorted(_python_imports(text[name])):
+            dep = by_module.get(imp.split(".")[-1]) or by_module.get(imp.split(".")[0])
+            if dep and dep != name:
+                visit(dep, stack)
+        done.add(name)
+        order.append(name)
+
+    for name, _ in files:
+        visit(name, set())
+    return [(n, text[n]) for n in order]
+
+
+def _walk_unit(root, rel, rng, stats, suffixes, dependency_order):
+    """One directory as a unit (Sec. 4.1): its files and subdirectories in random order, each
+    subdirectory's files contiguous. Returns [(relative name, text)]."""
+    path = os.path.join(root, rel)
+    entries = sorted(e for e in os.listdir(path) if not e.startswith(".") and e != "__pycache__")
+    rng.shuffle(entries)
+    files, out = [], []
+    for e in entries:
+        full, name = os.path.join(path, e), os.path.join(rel, e)
+        if os.path.isdir(full) and not os.path.islink(full):
+            out.append(_walk_unit(root, name, rng, stats, suffixes, dependency_order))
+        elif os.path.isfile(full) and (not suffixes or e.endswith(suffixes)):
+            text = _read_text_file(full, stats)
+            if text is not None and text.strip():
+                files.append((name, text))
+            elif text is not None:
+                stats["empty"] += 1
+    if dependency_order:  # the directory's files by imports, then its subdirectories
+        return [f for unit in [_dependency_order(files)] + out for f in unit]
+    units = [[f] for f in files] + out  # a file, or a whole subdirectory, is one unit
+    rng.shuffle(units)
+    return [f for unit in units for f in unit]
+
+
+def _join_files(files):
+    """One document: a header line naming each file, then the file."""
+    return "".join(f"# file: {name}\n{text}" + ("" if text.endswith("\n") else "\n") for name, text in files)
+
+
+def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
+    """The GitHub layout: each top-level directory is one document; loose top-level files
+    form one more. dependency_order puts imported modules first (the Isabelle ordering)."""
+    stats = stats if stats is not None else _new_stats()
+    rng = random.Random(seed)
+    docs, loose = [], []
+    for e in sorted(os.listdir(path)):
+        full = os.path.join(path, e)
+        if e.startswith(".") or e == "__pycache__":
+            continue
+        if os.path.isdir(full) and not os.path.islink(full):
+            files = _walk_unit(path, e, random.Random(f"{seed}/{e}"), stats, suffixes, dependency_order)
+            if files:
+                docs.append(Document(e, _join_files(files)))
+        elif os.path.isfile(full) and (not suffixes or e.endswith(suffixes)):
+            text = _read_text_file(full, stats)
+            if text is not None and text.strip():
+                loose.append((e, text))
+    rng.shuffle(loose)
+    if loose:
+        docs.append(Document("(top level)", _join_files(loose)))
+    return docs
+
+
+def read_text_dir(path, stats=None):
+    """The PG-19 layout: every .txt file below path is one document."""
+    stats = stats if stats is not None else _new_stats()
+    docs = []
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(".txt"):
+                text = _read_text_file(os.path.join(root, f), stats)
+                if text is not None and text.strip():
+                    docs.append(Document(os.path.relpath(os.path.join(root, f), path), text))
+                elif text is not None:
+                    stats["empty"] += 1
+    return docs
+
+
+def read_jsonl(path, stats=None):
+    """The C4 / arXiv layout: one JSON object per line with a `text` field (.jsonl files)."""
+    stats = stats if stats is not None else _new_stats()
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(r, f) for r, _, fs in sorted(os.walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
+    docs = []
+    for p in paths:
+        with open(p, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line.decode("utf-8"))
+                    text = obj["text"]
+                    if not isinstance(text, str):
+                        raise TypeError
+                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+                    stats["bad_json"] += 1
+                    continue
+                if text.strip():
+                    docs.append(Document(f"{os.path.basename(p)}:{n}", text))
+                else:
+                    stats["empty"] += 1
+    return docs
+
+
+def stdlib_path():
+    return sysconfig.get_paths()["stdlib"]
+
+
+def read_stdlib(seed=0, stats=None, group=25):
+    """The embedded default corpus: the running Python's standard library (.py files) read as a
+    repo. Each top-level package is one document; loose modules go in documents of `group`."""
+    stats = stats if stats is not None else _new_stats()
+    root = stdlib_path()
+    docs, loose = [], []
+    for e in sorted(os.listdir(root)):
+        full = os.path.join(root, e)
+        if e in ("site-packages", "__pycache__") or e.startswith("."):
+            continue
+        if os.path.isdir(full) and os.path.exists(os.path.join(full, "__init__.py")):
+            files = _walk_unit(root, e, random.Random(f"{seed}/{e}"), stats, (".py",), False)
+            if files:
+                docs.append(Document(e, _join_files(files)))
+        elif e.endswith(".py"):
+            text = _read_text_file(full, stats)
+            if text:
+                loose.append((e, text))
+    for i in range(0, len(loose), group):
+        docs.append(Document(f"modules-{i // group:02d}", _join_files(loose[i:i + group])))
+    return docs
+
+
+# Words for the synthetic filler: frequent enough that the tokenizer learns them whole.
+_FILLER = ("the of and to in is was for on that with as by at from it an be this are or "
+           "which one all were but not had have their has more its two first new been also "
+           "other some time into only may over such most after these than many").split()
+
+
+def synthetic_documents(num_docs=200, seed=0, num_names=24, length=600):
+    """Documents that only long-range memory predicts well.
+
+    Each defines `num_names` random names once, as `let NAME = VALUE ;`, then mixes filler
+    sentences with references `use NAME = VALUE ;` to names defined earlier (near and far).
+    A value is three random capital letters, unpredictable except by recalling its definition;
+    the VALUE of a reference is marked in `parts` as a reference, so its loss can be
+    reported separately. `length` is the number of lines.
+    """
+    rng = random.Random(seed)
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    docs = []
+    for d in range(num_docs):
+        names = {}
+        parts = []
+        for line in range(length):
+            if len(names) < num_names and (line % (length // num_names) == 0):
+                name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5))
+                value = "".join(rng.choice(letters) for _ in range(3))
+                names[name] = value
+                parts.append((f"let {name} = {value} ;\n", False))
+            elif names and rng.random() < 0.3:
+                name = rng.choice(sorted(names))
+                parts += [(f"use {name} = ", False), (names[name], True), (" ;\n", False)]
+            else:
+                parts.append((" ".join(rng.choice(_FILLER) for _ in range(rng.randint(4, 10))) + " .\n", False))
+        docs.append(Document(f"synthetic-{seed}-{d:05d}", "".join(t for t, _ in parts), tuple(parts)))
+    return docs
+
+
+def _new_stats():
+    return {"binary": 0, "not_utf8": 0, "empty": 0, "bad_json": 0}
+
+
+def detect_format(path):
+    if os.path.isfile(path):
+        return "jsonl" if path.endswith(".jsonl") else "text"
+    names = [f for _, _, fs in os.walk(path) for f in fs]
+    if any(n.endswith(".jsonl") for n in names):
+        return "jsonl"
+    if names and all(n.endswith(".txt") for n in names):
+        return "text"
+    return "repo"
+
+
+def load_documents(source, fmt="auto", seed=0, verbose=True):
+    """`source` is "stdlib", "synthetic" or a path. Returns [Document]; prints a one-line summary
+    of what was skipped. Raises DataError (one sentence) on a missing path or an empty corpus."""
+    stats = _new_stats()
+    if source == "stdlib":
+        docs = read_stdlib(seed, stats)
+    elif source == "synthetic":
+        docs = synthetic_documents(seed=seed)
+    else:
+        if not os.path.exists(source):
+            raise DataError(f"data path {source!r} does not exist.")
+        fmt = detect_format(source) if fmt == "auto" else fmt
+        if fmt in ("repo", "repo-deps"):
+            if not os.path.isdir(source):
+                raise DataError(f"data path {source!r} must be a directory for format {fmt!r}.")
+            docs = read_repo(source, seed, dependency_order=fmt == "repo-deps", stats=stats)
+        elif fmt == "text":
+            docs = read_text_dir(source, stats) if os.path.isdir(source) else (
+                [Document(os.path.basename(source), t)] if (t := _read_text_file(source, stats)) and t.strip() else [])
+        elif fmt == "jsonl":
+            docs = read_jsonl(source, stats)
+        else:
+            raise DataError(f"unknown data format {fmt!r}; choose auto, repo, repo-deps, text or jsonl.")
+    skipped = {k: v for k, v in stats.items() if v}
+    if verbose and skipped:
+        print("data: skipped " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()), file=sys.stderr)
+    if not docs:
+        raise DataError(f"no readable document found in {source!r}.")
+    return docs
+
+
+def split_documents(docs, valid_fraction=0.05, seed=0):
+    """Deterministic split by document: no document is in both. At least one of each."""
+    if len(docs) < 2:
+        raise DataError(f"need at least 2 documents to split into train and validation, got {len(docs)}.")
+    order = sorted(range(len(docs)), key=lambda i: docs[i].id)
+    random.Random(seed).shuffle(order)
+    n_valid = min(len(docs) - 1, max(1, round(valid_fraction * len(docs))))
+    valid = set(order[:n_valid])
+    return ([d for i, d in enumerate(docs) if i not in valid], [d for i, d in enumerate(docs) if i in valid])
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def _sample_lines(docs, max_chars, seed):
+    """A bounded, seeded sample of text chunks (a few lines each) for tokenizer training."""
+    rng = random.Random(seed)
+    chunks = []
+    for d in docs:
+        lines = d.text.splitlines(keepends=True)
+        for i in range(0, len(lines), 20):
+            chunks.append("".join(lines[i:i + 20])[:4000])
+    rng.shuffle(chunks)
+    total, out = 0, []
+    for c in chunks:
+        if total >= max_chars:
+            break
+        out.append(c)
+        total += len(c)
+    return out
+
+
+def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
+    """BPE SentencePiece (as in the paper) on a bounded sample. Byte fallback and identity
+    normalization make decode(encode(text)) == text, newlines and indentation included."""
+    import sentencepiece as spm
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_sample_lines(docs, max_chars, seed)), model_writer=model,
+        vocab_size=vocab_size, hard_vocab_limit=False, model_type="bpe", character_coverage=1.0,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, allow_whitespace_only_pieces=True, user_defined_symbols=["\n", "\t"],
+        pad_id=PAD_ID, unk_id=1, bos_id=-1, eos_id=-1, max_sentence_length=1 << 16,
+        num_threads=os.cpu_count() or 1, minloglevel=2)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(model.getvalue())
+    os.replace(tmp, path)
+    return load_tokenizer(path)
+
+
+def load_tokenizer(path):
+    import sentencepiece as spm
+    if not os.path.isfile(path):
+        raise DataError(f"tokenizer file {path!r} does not exist.")
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.load(path)
+    except (OSError, RuntimeError):
+        raise DataError(f"tokenizer file {path!r} is not a SentencePiece model.") from None
+    return sp
+
+
+def corpus_key(source, fmt, seed):
+    """A name for a corpus that changes when its files do (paths, sizes, mtimes)."""
+    h = hashlib.sha256(f"{source}|{fmt}|{seed}|{sys.version}".encode())
+    root = stdlib_path() if source == "stdlib" else source
+    if source != "synthetic" and os.path.exists(root):
+        for r, dirs, files in os.walk(root):
+            dirs.sort()
+            for f in sorted(files):
+                try:
+                    st = os.stat(os.path.join(r, f))
+                    h.update(f"{r}/{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+                except OSError:
+                    pass
+    return h.hexdigest()[:16]
+
+
+def get_tokenizer(docs, vocab_size, cache_dir, key, seed=0):
+    """The cached tokenizer for this corpus and vocab size, trained on first use."""
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, f"tokenizer-{key}-{vocab_size}.model")
+    if os.path.isfile(path):
+        return load_tokenizer(path), path
+    return train_tokenizer(docs, vocab_size, path, seed), path
+
+
+def encode_document(sp, doc):
+    """ids int32 [N] and, for synthetic documents, is_reference bool [N]."""
+    if not doc.parts:
+        ids = np.asarray(sp.encode(doc.text), np.int32)
+        return ids, np.zeros(len(ids), bool)
+    pieces = [(np.asarray(sp.encode(t), np.int32), ref) for t, ref in doc.parts]
+    return (np.concatenate([p for p, _ in pieces]),
+            np.concatenate([np.full(len(p), ref, bool) for p, ref in pieces]))
+
+
+def tokenize(docs, sp, cache_path=None):
+    """Token arrays, one per document (documents of fewer than 2 tokens are dropped), and the
+    matching reference masks. Cached as one .npz when cache_path is given."""
+    if cache_path and os.path.isfile(cache_path):
+        try:
+            with np.load(cache_path) as z:
+                tokens, refs, offsets = z["tokens"], z["refs"], z["offsets"]
+            return ([tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
+                    [refs[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
+        except (OSError, KeyError, ValueError):
+            pass  # a corrupt cache is rebuilt
+    plain = [d.text for d in docs if not d.parts]
+    plain = iter(sp.encode(plain, num_threads=os.cpu_count() or 1)) if plain else iter(())
+    encoded = [encode_document(sp, d) if d.parts else (np.asarray(next(plain), np.int32), None) for d in docs]
+    encoded = [(t, np.zeros(len(t), bool) if r is None else r) for t, r in encoded]
+    encoded = [(t, r) for t, r in encoded if len(t) >= 2]
+    if cache_path:
+        offsets = np.cumsum([0] + [len(t) for t, _ in encoded])
+        tmp = cache_path + ".tmp.npz"
+        np.savez(tmp, tokens=np.concatenate([t for t, _ in encoded] or [np.zeros(0, np.int32)]),
+                 refs=np.concatenate([r for _, r in encoded] or [np.zeros(0, bool)]), offsets=offsets)
+        os.replace(tmp, cache_path)
+    return [t for t, _ in encoded], [r for _, r in encoded]
+
+
+# ----------------------------------------------------------------------------- batching
+class SegmentBatches:
+    """Stream documents through B rows, each cut into consecutive segments of T tokens.
+
+    Each step yields numpy arrays: tokens int32 [B, T]; targets int32 [B, T] (the next token,
+    across segment boundaries inside a document); mask bool [B, T] (False on padding and on a
+    document's last token, which has no target); reset bool [B] (True exactly where a row
+    starts a new document). A document of N tokens gives ceil((N - 1) / T) segments.
+
+    Training (epochs=None): document order is reshuffled every epoch with the seed, forever.
+    Evaluation (epochs=1): one pass; finished rows get fully masked segments, and the
+    iterator stops when every row is done. `position()` / `restore()` save and resume.
+    """
+
+    def __init__(self, docs, batch_size, segment_length, seed=0, epochs=None):
+        if batch_size <= 0 or segment_length <= 0:
+            raise DataError("batch_size and segment_length must be positive.")
+        self.docs = [np.asarray(d, np.int32) for d in docs if len(d) >= 2]
+        if not self.docs:
+            raise DataError("no document has the 2 tokens that one prediction needs.")
+        if epochs is None and len(self.docs) < batch_size:
+            raise DataError(f"the corpus has {len(self.docs)} documents, fewer than the "
+                            f"{batch_size} batch rows; lower --batch-size or add documents.")
+        self.B, self.T, self.seed, self.epochs = batch_size, segment_length, seed, epochs
+        self.epoch, self.next_doc = 0, 0  # position in the epoch's shuffled order
+        self.rows = [None] * batch_size  # per row: [doc index, offset] or None (no document)
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch):
+        order = np.arange(len(self.docs))
+        if self.epochs is None:  # training: a new seeded order every epoch
+            np.random.default_rng([self.seed, epoch]).shuffle(order)
+        return order
+
+    def _take_document(self):
+        if self.next_doc == len(self._order):
+            if self.epochs is not None and self.epoch + 1 >= self.epochs:
+                return None
+            self.epoch, self.next_doc = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+        d = int(self._order[self.next_doc])
+        self.next_doc += 1
+        return d
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        B, T = self.B, self.T
+        batch = {"tokens": np.full((B, T), PAD_ID, np.int32), "targets": np.full((B, T), PAD_ID, np.int32),
+                 "mask": np.zeros((B, T), bool), "reset": np.zeros(B, bool), "doc": np.full(B, -1, np.int64),
+                 "offset": np.zeros(B, np.int64)}
+        for b in range(B):
+            row = self.rows[b]
+            if row is None or row[1] >= len(self.docs[row[0]]) - 1:  # finished: next document
+                d = self._take_document()
+                self.rows[b] = row = None if d is None else [d, 0]
+                batch["reset"][b] = True
+            if row is None:
+                continue
+            doc, off = self.docs[row[0]], row[1]
+            seg = doc[off:off + T + 1]
+            n = len(seg) - 1  # positions that have a target
+            batch["tokens"][b, :len(seg[:T])] = seg[:T]
+            batch["targets"][b, :n] = seg[1:]
+            batch["mask"][b, :n] = True
+            batch["doc"][b], batch["offset"][b] = row[0], off
+            row[1] = off + T
+        if self.epochs is not None and all(r is None for r in self.rows):
+            raise StopIteration
+        return batch
+
+    def position(self):
+        """A JSON-able position; restore() continues the stream identically."""
+        return {"epoch": self.epoch, "next_doc": self.next_doc, "rows": [None if r is None else list(r) for r in self.rows]}
+
+    def restore(self, pos):
+        self.epoch, self.next_doc = pos["epoch"], pos["next_doc"]
+        self.rows = [None if r is None else list(r) for r in pos["rows"]]
+        self._order = self._epoch_order(self.epoch)
+        return self
+
+
+def segment_batches(docs, batch_size, segment_length, seed=0):
+    """The core of the pipeline: an endless iterator of batches (see SegmentBatches)."""
+    return SegmentBatches(docs, batch_size, segment_length, seed)

@@ -1,0 +1,200 @@
+"""data.py: the batching invariants against explicit bookkeeping, sources, tokenizer, bad input."""
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import data
+
+SETTINGS = settings(deadline=None, max_examples=40, derandomize=True)
+docs_strategy = st.lists(st.integers(2, 60), min_size=1, max_size=12).map(
+    lambda lengths: [np.arange(1, n + 1, dtype=np.int32) + 1000 * i for i, n in enumerate(lengths)])
+
+
+def run_epoch(docs, B, T, seed=0):
+    """Collect, per row, the stream of (tokens, targets, mask, reset) until every document of the
+    first epoch has been started and finished."""
+    it = data.segment_batches(docs, B, T, seed)
+    batches = []
+    for _ in range(sum(-(-(len(d) - 1) // T) for d in docs) + 2):
+        batches.append(next(it))
+    return batches
+
+
+@SETTINGS
+@given(docs=docs_strategy, B=st.sampled_from([1, 2, 3]), T=st.sampled_from([1, 4, 7]), seed=st.integers(0, 5))
+def test_rows_reproduce_documents_in_order_with_next_token_targets(docs, B, T, seed):
+    if len(docs) < B:
+        with pytest.raises(data.DataError, match="fewer than"):
+            data.segment_batches(docs, B, T, seed)
+        return
+    by_id = {int(d[0]) // 1000: d for d in docs}
+    for b in range(B):
+        current, tokens, targets = None, [], []
+        for batch in run_epoch(docs, B, T, seed):
+            if batch["reset"][b]:  # a document starts exactly here
+                if current is not None:
+                    np.testing.assert_array_equal(tokens, current[:-1])
+                    np.testing.assert_array_equal(targets, current[1:])
+                current = by_id[int(batch["tokens"][b, 0]) // 1000]
+                assert batch["tokens"][b, 0] == current[0]
+                tokens, targets = [], []
+            m = batch["mask"][b]
+            # No segment mixes two documents; every target is the next token of its own document.
+            assert {int(t) // 1000 for t in batch["tokens"][b][m]} <= {int(current[0]) // 1000}
+            tokens += batch["tokens"][b][m].tolist()
+            targets += batch["targets"][b][m].tolist()
+            assert m.tolist() == sorted(m.tolist(), reverse=True)  # padding only at the end
+        # the document in progress is a prefix of its document
+        np.testing.assert_array_equal(tokens, current[:len(tokens)])
+
+
+@SETTINGS
+@given(docs=docs_strategy, T=st.sampled_from([1, 4, 7]), seed=st.integers(0, 5))
+def test_reset_marks_every_document_start_and_nothing_else(docs, T, seed):
+    it = data.segment_batches(docs, 1, T, seed)
+    expected = []
+    order = np.arange(len(docs))
+    np.random.default_rng([seed, 0]).shuffle(order)
+    for d in order:
+        n = -(-(len(docs[d]) - 1) // T)
+        expected += [True] + [False] * (n - 1)
+    got = [bool(next(it)["reset"][0]) for _ in expected]
+    assert got == expected
+
+
+@SETTINGS
+@given(docs=docs_strategy, k=st.integers(0, 30), seed=st.integers(0, 3))
+def test_save_and_restore_continue_the_stream_identically(docs, k, seed):
+    B = min(2, len(docs))
+    it = data.segment_batches(docs, B, 5, seed)
+    for _ in range(k):
+        next(it)
+    pos = json.loads(json.dumps(it.position()))  # survives a round trip through JSON
+    rest = [next(it) for _ in range(15)]
+    again = data.segment_batches(docs, B, 5, seed).restore(pos)
+    for a in rest:
+        b = next(again)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_evaluation_pass_visits_each_document_once_then_stops():
+    docs = [np.arange(n, dtype=np.int32) + 1 for n in (5, 30, 9)]
+    batches = list(data.SegmentBatches(docs, 2, 4, epochs=1))
+    seen = sum(int(b["mask"].sum()) for b in batches)
+    assert seen == sum(len(d) - 1 for d in docs)
+
+
+def write(path, content, mode="w"):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, mode) as f:
+        f.write(content)
+
+
+def test_repo_traversal_keeps_each_subdirectory_contiguous(tmp_path):
+    for sub in ("a", "b", "c"):
+        for i in range(4):
+            write(str(tmp_path / "repo" / sub / f"f{i}.py"), f"x = '{sub}{i}'\n")
+        write(str(tmp_path / "repo" / sub / "deep" / "g.py"), f"y = '{sub}'\n")
+    for seed in range(5):
+        (doc,) = data.read_repo(str(tmp_path), seed)
+        names = [line[len("# file: "):] for line in doc.text.splitlines() if line.startswith("# file: ")]
+        tops = [n.split(os.sep)[1] for n in names]
+        # each subdirectory's files form one contiguous run
+        runs = [t for i, t in enumerate(tops) if i == 0 or tops[i - 1] != t]
+        assert sorted(runs) == ["a", "b", "c"], tops
+        assert len(names) == 15
+
+
+def test_repo_orders_seeds_differently_but_deterministically(tmp_path):
+    for i in range(8):
+        write(str(tmp_path / "r" / f"m{i}.py"), f"v = {i}\n")
+    a = data.read_repo(str(tmp_path), 1)[0].text
+    assert a == data.read_repo(str(tmp_path), 1)[0].text
+    assert any(data.read_repo(str(tmp_path), s)[0].text != a for s in range(2, 6))
+
+
+def test_dependency_order_puts_imported_modules_first(tmp_path):
+    write(str(tmp_path / "thy" / "c.py"), "import b\nz = b.y\n")
+    write(str(tmp_path / "thy" / "b.py"), "from a import x\ny = x\n")
+    write(str(tmp_path / "thy" / "a.py"), "x = 1\n")
+    for seed in range(4):
+        (doc,) = data.read_repo(str(tmp_path), seed, dependency_order=True)
+        names = [l for l in doc.text.splitlines() if l.startswith("# file:")]
+        assert [n[-4:] for n in names] == ["a.py", "b.py", "c.py"]
+
+
+def test_split_is_disjoint_deterministic_and_covers_everything():
+    docs = [data.Document(f"d{i}", "x") for i in range(50)]
+    train, valid = data.split_documents(docs, 0.1, seed=3)
+    assert not {d.id for d in train} & {d.id for d in valid}
+    assert len(train) + len(valid) == 50 and len(valid) == 5
+    # The split depends on the documents, not on the order they were read in.
+    assert {d.id for d in data.split_documents(docs[::-1], 0.1, seed=3)[1]} == {d.id for d in valid}
+
+
+def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
+    docs = data.synthetic_documents(num_docs=5, length=100) + [data.Document("code", (
+        "def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode\n\n\n    pass\r\n"))]
+    sp, path = data.get_tokenizer(docs, 400, str(tmp_path), "k")
+    for d in docs:
+        assert sp.decode(sp.encode(d.text)) == d.text
+    mtime = os.path.getmtime(path)
+    sp2, path2 = data.get_tokenizer(docs, 400, str(tmp_path), "k")
+    assert path2 == path and os.path.getmtime(path) == mtime
+    tokens, refs = data.tokenize(docs, sp, str(tmp_path / "c.npz"))
+    tokens2, refs2 = data.tokenize(docs, sp, str(tmp_path / "c.npz"))  # from the cache
+    for a, b in zip(tokens + refs, tokens2 + refs2):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_synthetic_reference_tokens_decode_to_the_defined_values(tmp_path):
+    docs = data.synthetic_documents(num_docs=3, length=200, seed=1)
+    assert docs[0].text == data.synthetic_documents(num_docs=3, length=200, seed=1)[0].text
+    sp, _ = data.get_tokenizer(docs, 400, str(tmp_path), "s")
+    for d in docs:
+        ids, ref = data.encode_document(sp, d)
+        assert sp.decode(ids.tolist()) == d.text
+        defined = dict(line.split(" ")[1:4:2] for line in d.text.splitlines() if line.startswith("let "))
+        refs = [line.split(" ")[1] for line in d.text.splitlines() if line.startswith("use ")]
+        assert sp.decode(ids[ref].tolist()) == "".join(defined[n] for n in refs)
+
+
+def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys):
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_documents(str(tmp_path / "missing"))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(data.DataError, match="no readable document"):
+        data.load_documents(str(tmp_path / "empty"))
+    write(str(tmp_path / "r" / "p" / "empty.py"), "")
+    write(str(tmp_path / "r" / "p" / "bin.dat"), b"\x00\x01\x02", "wb")
+    write(str(tmp_path / "r" / "p" / "latin.py"), b"caf\xe9\n", "wb")
+    write(str(tmp_path / "r" / "p" / "ok.py"), "ok = 1\n")
+    docs = data.load_documents(str(tmp_path / "r"), "repo")
+    assert len(docs) == 1 and "ok = 1" in docs[0].text
+    err = capsys.readouterr().err
+    assert "1 binary" in err and "1 not utf8" in err and "1 empty" in err
+    write(str(tmp_path / "j" / "a.jsonl"), '{"text": "hello"}\nnot json\n{"other": 1}\n{"text": 3}\n\n')
+    docs = data.load_documents(str(tmp_path / "j"))
+    assert [d.text for d in docs] == ["hello"]
+    assert "3 bad json" in capsys.readouterr().err
+    write(str(tmp_path / "t" / "book.txt"), "a book\n")
+    write(str(tmp_path / "t" / "blank.txt"), "")
+    assert [d.text for d in data.load_documents(str(tmp_path / "t"))] == ["a book\n"]
+    with pytest.raises(data.DataError, match="fewer than"):
+        data.segment_batches([np.arange(5)], 2, 4)
+    with pytest.raises(data.DataError, match="2 tokens"):
+        data.segment_batches([np.arange(1)], 1, 4)
+    with pytest.raises(data.DataError, match="not a SentencePiece model"):
+        write(str(tmp_path / "bad.model"), "not a model")
+        data.load_tokenizer(str(tmp_path / "bad.model"))
+
+
+def test_stdlib_corpus_is_found_and_each_package_is_one_document():
+    docs = data.load_documents("stdlib", verbose=False)
+    ids = {d.id for d in docs}
+    assert {"json", "email", "asyncio"} <= ids
+    assert "def dumps(" in next(d for d in docs if d.id == "json").text
