@@ -230,7 +230,7 @@ def synthetic_documents(num_docs=200, seed=0, num_names=24, length=600):
                 name = rng.choice(sorted(names))
                 parts += [(f"use {name} = ", False), (names[name], True), (" ;\n", False)]
             else:
-                parts.append((" ".join(rng.choice(_FILLER) for _ in range(rng.randint(4, 10))) + " .\n", False))
+                parts.append((" ".join(rng.choices(_FILLER, k=rng.randint(4, 10))) + " .\n", False))
         docs.append(Document(f"synthetic-{seed}-{d:05d}", "".join(t for t, _ in parts), tuple(parts)))
     return docs
 

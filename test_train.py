@@ -1,0 +1,218 @@
+"""train.py: Adafactor against its definition, the schedule, checkpoints, resume, init-from,
+sharding, the smoke run and the command line's answers to bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memorizing_transformer as mt
+import train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# A model small enough that a run of a few steps takes seconds.
+FAST = ["--data", "synthetic", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
+        "--num-neighbors", "8", "--eval-docs", "2", "--eval-tokens", "64", "--log-every", "1"]
+
+
+# ----------------------------------------------------------------------------- Adafactor
+def np_adafactor(x, grads, lr, beta1=None, factored=True, d=1.0, eps1=1e-30, eps2=1e-3, scale_by_param=True):
+    """Adafactor written from the paper (Shazeer & Stern, 2018, Alg. 4 and 5), loop by loop."""
+    x = x.astype(np.float64).copy()
+    n, m = x.shape if x.ndim == 2 else (x.shape[0], 1)
+    R, C, V, M = np.zeros(n), np.zeros(m), np.zeros(x.shape), np.zeros(x.shape)
+    for t, g in enumerate(grads, 1):
+        beta2 = 1 - t ** -0.8
+        U = np.zeros(x.shape)
+        if factored:
+            for i in range(n):
+                R[i] = beta2 * R[i] + (1 - beta2) * sum(g[i, j] ** 2 + eps1 for j in range(m)) / m
+            for j in range(m):
+                C[j] = beta2 * C[j] + (1 - beta2) * sum(g[i, j] ** 2 + eps1 for i in range(n)) / n
+            for i in range(n):
+                for j in range(m):
+                    U[i, j] = g[i, j] / math.sqrt(R[i] * C[j] / (sum(R) / n))
+        else:
+            for idx in np.ndindex(x.shape):
+                V[idx] = beta2 * V[idx] + (1 - beta2) * (g[idx] ** 2 + eps1)
+                U[idx] = g[idx] / math.sqrt(V[idx])
+        U = U / max(1.0, math.sqrt(np.mean(U ** 2)) / d)
+        if beta1 is not None:
+            M = beta1 * M + (1 - beta1) * U
+            U = M
+        alpha = lr(t) * (max(eps2, math.sqrt(np.mean(x ** 2))) if scale_by_param else 1.0)
+        x = x - alpha * U
+    return x
+
+
+@pytest.mark.parametrize("beta1", [None, 0.9])
+def test_adafactor_matches_its_definition_computed_by_hand(beta1):
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((40, 36)).astype(np.float32),  # factored (both dims >= 32)
+              "small": rng.standard_normal((3, 4)).astype(np.float32),  # too small to factor
+              "b": rng.standard_normal(5).astype(np.float32)}  # a vector: no parameter scaling
+    grads = [{k: (rng.standard_normal(v.shape) * s).astype(np.float32) for k, v in params.items()}
+             for s in (1.0, 0.01, 3.0)]  # 3.0 makes update clipping matter
+    lr = lambda t: 0.1 / t
+    init, update = train.adafactor(lr, beta1=beta1)
+    p, state = jax.tree.map(jnp.asarray, params), None
+    state = init(p)
+    for g in grads:
+        u, state = update(jax.tree.map(jnp.asarray, g), state, p)
+        p = jax.tree.map(jnp.add, p, u)
+    for name, factored, by_param in (("w", True, True), ("small", False, True), ("b", False, False)):
+        want = np_adafactor(params[name], [g[name] for g in grads], lr, beta1, factored, scale_by_param=by_param)
+        np.testing.assert_allclose(p[name], want, rtol=2e-5, atol=1e-6)
+
+
+def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
+    init, update = train.adafactor(0.1)
+    p = {"embed": jnp.ones((64, 48))}
+    g = {"embed": jnp.zeros((64, 48)).at[0].set(1e-3)}  # most rows unused, as in an embedding
+    u, _ = update(g, init(p), p)
+    assert np.all(np.isfinite(u["embed"]))
+
+
+def test_learning_rate_is_linear_warmup_then_square_root_decay():
+    for t, want in [(1, 1 / 1000 / math.sqrt(1000)), (500, 0.5 / math.sqrt(1000)), (1000, 1 / math.sqrt(1000)),
+                    (4000, 1 / math.sqrt(4000))]:
+        assert float(train.learning_rate(t, 1.0, 1000)) == pytest.approx(want, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- runs
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def run(out, cache, *extra):
+    return train.main(FAST + ["--out", str(out), "--cache-dir", cache] + list(extra))
+
+
+def losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache):
+    assert run(tmp_path / "full", cache, "--steps", "8", "--save-every", "100") == 0
+    assert run(tmp_path / "part", cache, "--steps", "3", "--save-every", "100") == 0
+    assert run(tmp_path / "part", cache, "--steps", "8", "--resume") == 0
+    full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert sorted(part) == list(range(1, 9))
+    np.testing.assert_allclose([part[s] for s in range(1, 9)], [full[s] for s in range(1, 9)], rtol=1e-6)
+    with open(tmp_path / "full" / "eval.json") as f:
+        a = json.load(f)
+    with open(tmp_path / "part" / "eval.json") as f:
+        b = json.load(f)
+    assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6) and a["tokens"] == b["tokens"] > 0
+
+
+def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tmp_path, cache):
+    assert run(tmp_path / "nomem", cache, "--steps", "2", "--memory-size", "0") == 0
+    assert run(tmp_path / "mem", cache, "--steps", "2") == 0
+    for src, out in (("mem", "bigger"), ("nomem", "added")):
+        _, before = train.load_checkpoint(str(tmp_path / src / "checkpoint.npz"))
+        assert run(tmp_path / out, cache, "--steps", "1", "--memory-size", "128", "--lr", "1e-9",
+                   "--init-from", str(tmp_path / src)) == 0
+        _, after = train.load_checkpoint(str(tmp_path / out / "checkpoint.npz"))
+        for k, v in before.items():
+            if k.startswith("params"):  # copied (a step at lr 1e-9 moves nothing visibly)
+                np.testing.assert_allclose(after[k], v, atol=1e-6, err_msg=k)
+        gate = "params['layers'][2]['gate_bias']"
+        assert gate in after and (src == "mem") == (gate in before)
+        if src == "nomem":
+            np.testing.assert_allclose(after[gate], 0.0, atol=1e-6)  # fresh: g = 0.5
+
+
+def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path, cache, monkeypatch):
+    assert run(tmp_path / "r", cache, "--steps", "2") == 0
+    path = str(tmp_path / "r" / "checkpoint.npz")
+    with open(path, "rb") as f:
+        good = f.read()
+
+    def dies(*a, **k):
+        raise KeyboardInterrupt  # a kill in the middle of writing the temporary file
+
+    monkeypatch.setattr(np, "savez", dies)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint(path, 3, {"a": np.zeros(2)}, {}, mt.init_state(mt.PRESETS["tiny"], 1), {})
+    with open(path, "rb") as f:
+        assert f.read() == good
+    assert [f for f in os.listdir(tmp_path / "r") if f.endswith(".tmp")] == []
+
+
+def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(tmp_path, cache):
+    out = tmp_path / "smoke"
+    proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic", "--steps", "20",
+                           "--out", str(out), "--cache-dir", cache], cwd=HERE, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with open(out / "eval.json") as f:
+        ev = json.load(f)
+    assert ev["step"] == 20 and ev["tokens"] > 0 and math.isfinite(ev["loss"])
+    assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"]))
+    assert "perplexity_memory_off" in ev
+    with open(out / "config.json") as f:
+        assert json.load(f)["config"]["segment_length"] == mt.PRESETS["tiny"].segment_length
+    lines = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert [l["step"] for l in lines if "loss" in l] == [10, 20]
+    assert [l for l in lines if "loss" in l][-1]["loss"] < 7.0  # falling from ln(2048) = 7.6 at the start
+    assert "step     20 | loss" in proc.stdout
+
+
+def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cache):
+    def loss_on(devices, out):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(out),
+                              "--cache-dir", cache], cwd=HERE, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"x{devices}" in proc.stdout
+        return losses(out)
+
+    one, four = loss_on(1, tmp_path / "one"), loss_on(4, tmp_path / "four")
+    np.testing.assert_allclose([four[1], four[2]], [one[1], one[2]], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("flags, message", [
+    (["--data", "/no/such/path"], "does not exist"),
+    (["--memory-size", "100"], "multiple of segment_length"),
+    (["--num-neighbors", "128"], "num_neighbors"),
+    (["--batch-size", "0"], "batch_size"),
+    (["--segment-length", "-4"], "segment_length"),
+    (["--steps", "0"], "steps"),
+    (["--memory-layers", "9"], "out of range"),
+    (["--eval-docs", "0"], "eval-docs"),
+    (["--resume", "--init-from", "x"], "cannot be combined"),
+])
+def test_bad_flags_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys, flags, message):
+    assert run(tmp_path / "bad", cache, *flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
+    (tmp_path / "bad.model").write_text("not sentencepiece")
+    assert run(tmp_path / "a", cache, "--tokenizer", str(tmp_path / "bad.model")) == 2
+    assert "not a SentencePiece model" in capsys.readouterr().err
+    assert run(tmp_path / "nothing", cache, "--resume") == 2
+    assert "no run to resume" in capsys.readouterr().err
+    (tmp_path / "blocked").write_text("a file where the output directory should be")
+    assert run(tmp_path / "blocked" / "out", cache) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert run(tmp_path / "r", cache, "--steps", "1") == 0
+    ckpt = tmp_path / "r" / "checkpoint.npz"
+    good = ckpt.read_bytes()
+    ckpt.write_bytes(good[: len(good) // 2])  # truncated
+    assert run(tmp_path / "r", cache, "--steps", "2", "--resume") == 2
+    assert "truncated or corrupt" in capsys.readouterr().err
+    # A checkpoint of another config (M = 64) in a run whose config has M = 128: mismatched shapes.
+    assert run(tmp_path / "r3", cache, "--steps", "1", "--memory-size", "128") == 0
+    (tmp_path / "r3" / "checkpoint.npz").write_bytes(good)
+    assert run(tmp_path / "r3", cache, "--steps", "2", "--resume") == 2
+    assert "this config needs" in capsys.readouterr().err

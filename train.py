@@ -1,0 +1,497 @@
+"""Train a Memorizing Transformer (Sec. 4.2): Adafactor, the training loop, checkpoints.
+
+  python train.py                                  # tiny preset on the stdlib, ~10 min on a CPU
+  python train.py --preset small --data PATH       # one GPU
+  python train.py --out runs/a --resume            # continue an interrupted run exactly
+  python train.py --init-from runs/a --memory-size 2048   # fine-tune to a larger memory (Sec. 4.4)
+
+Everything a run produces goes to --out: config.json, metrics.jsonl (one JSON object per
+logged step and per evaluation), eval.json, tokenizer.model and checkpoint.npz.
+"""
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import data
+import memorizing_transformer as mt
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one sentence, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- Adafactor
+def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_threshold=1.0,
+              beta1=None, multiply_by_parameter_scale=True, min_dim_size_to_factor=32):
+    """Adafactor (Shazeer & Stern, 2018) with optax's (init, update) convention.
+
+    For a gradient G at step t (from 1), with beta2_t = 1 - t^(-decay_rate):
+      factored (rank >= 2, the two largest axes r, c both >= min_dim_size_to_factor):
+        R = beta2 R + (1 - beta2) mean_c(G^2 + eps1);  C = beta2 C + (1 - beta2) mean_r(G^2 + eps1)
+        V = R C / mean_r(R)
+      otherwise V = beta2 V + (1 - beta2) (G^2 + eps1)
+      U = G / sqrt(V);  U = U / max(1, RMS(U) / clip_threshold)          (update clipping)
+      with beta1: M = beta1 M + (1 - beta1) U, and U = M
+      update = -lr_t * max(eps2, RMS(X)) * U    (relative to the parameter's scale, rank >= 2)
+    Vectors (norm weights, biases, gates, q/k scales) take the plain step -lr_t * U: their
+    scale says nothing about a good step (a gate bias starts at 0).
+    learning_rate is a number or a function of the step t.
+    """
+    lr_fn = learning_rate if callable(learning_rate) else (lambda t: learning_rate)
+
+    def axes(x):
+        if x.ndim < 2:
+            return None
+        r, c = sorted(np.argsort(x.shape, kind="stable")[-2:])
+        return (int(r), int(c)) if min(x.shape[r], x.shape[c]) >= min_dim_size_to_factor else None
+
+    def init(params):
+        leaves = jax.tree.leaves(params)
+        v = []
+        for x in leaves:
+            ax = axes(x)
+            if ax is None:
+                v.append({"v": jnp.zeros_like(x)})
+            else:
+                v.append({"r": jnp.zeros_like(jnp.mean(x, axis=ax[1], keepdims=True)),
+                          "c": jnp.zeros_like(jnp.mean(x, axis=ax[0], keepdims=True))})
+        m = [jnp.zeros_like(x) for x in leaves] if beta1 is not None else None
+        return {"count": jnp.zeros((), jnp.int32), "v": v, "m": m}
+
+    def update(grads, state, params):
+        t = state["count"] + 1
+        beta2 = 1.0 - t.astype(jnp.float32) ** -decay_rate
+        lr = lr_fn(t)
+        g_leaves, treedef = jax.tree.flatten(grads)
+        p_leaves = jax.tree.leaves(params)
+        new_v, new_m, updates = [], [], []
+        for i, (g, x) in enumerate(zip(g_leaves, p_leaves)):
+            g2 = g * g + eps1
+            ax = axes(x)
+            if ax is None:
+                v = beta2 * state["v"][i]["v"] + (1 - beta2) * g2
+                new_v.append({"v": v})
+            else:
+                r = beta2 * state["v"][i]["r"] + (1 - beta2) * jnp.mean(g2, axis=ax[1], keepdims=True)
+                c = beta2 * state["v"][i]["c"] + (1 - beta2) * jnp.mean(g2, axis=ax[0], keepdims=True)
+                new_v.append({"r": r, "c": c})
+                v = (r / jnp.mean(r, axis=ax[0], keepdims=True)) * c  # this order never underflows
+            u = g * jax.lax.rsqrt(v)
+            u = u / jnp.maximum(1.0, jnp.sqrt(jnp.mean(u * u)) / clip_threshold)
+            if beta1 is not None:
+                u = beta1 * state["m"][i] + (1 - beta1) * u
+                new_m.append(u)
+            scale = lr
+            if multiply_by_parameter_scale and x.ndim >= 2:
+                scale = lr * jnp.maximum(eps2, jnp.sqrt(jnp.mean(x * x)))
+            updates.append(-scale * u)
+        return jax.tree.unflatten(treedef, updates), {"count": t, "v": new_v, "m": new_m if beta1 is not None else None}
+
+    return init, update
+
+
+def learning_rate(step, base_lr, warmup_steps):
+    """Sec. 4.2: linear warmup, then square-root decay: base * min(1, t/W) / sqrt(max(t, W))."""
+    t = jnp.asarray(step, jnp.float32)
+    w = max(warmup_steps, 1)
+    return base_lr * jnp.minimum(1.0, t / w) * jax.lax.rsqrt(jnp.maximum(t, float(w)))
+
+
+# ----------------------------------------------------------------------------- the step
+def make_optimizer(config):
+    return adafactor(lambda t: learning_rate(t, config.lr, config.warmup_steps))
+
+
+def step_config(config):
+    """The fields a compiled step depends on: runs that differ only in steps or seed share it."""
+    return config.replace(steps=1, seed=0)
+
+
+@functools.lru_cache(maxsize=8)
+def make_train_step(config):
+    """One jitted step: forward over a segment of every row, carry the state, update params.
+
+    With grad_accum > 1 the rows are split into micro-batches (each with its own memories),
+    and gradients are summed over all tokens before one update. Buffers are donated, so
+    the memory is updated in place.
+    """
+    _, opt_update = make_optimizer(config)
+
+    def summed_loss(params, state, batch):
+        logits, new_state = mt.forward(params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"])
+        m = batch["mask"].astype(jnp.float32)
+        return jnp.sum(mt.cross_entropy(logits, batch["targets"]) * m), (new_state, jnp.sum(m))
+
+    grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
+
+    def step(params, opt_state, state, batch):
+        A = config.grad_accum
+        if A == 1:
+            (total, (state, n)), grads = grad_fn(params, state, batch)
+        else:
+            split = lambda x: x.reshape((A, x.shape[0] // A) + x.shape[1:])  # [B, ...] -> [A, B/A, ...]
+
+            def micro(acc, xs):
+                (l, (s, n)), g = grad_fn(params, xs[0], xs[1])
+                return jax.tree.map(jnp.add, acc, (l, n, g)), s
+
+            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (total, n, grads), states = jax.lax.scan(micro, zeros, (jax.tree.map(split, state), jax.tree.map(split, batch)))
+            state = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), states)
+        n = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = opt_update(grads, opt_state, params)
+        params = jax.tree.map(jnp.add, params, updates)
+        metrics = {"loss": total / n, "tokens": n}
+        for i in config.active_memory_layers:
+            metrics[f"gate_{i}"] = jnp.mean(jax.nn.sigmoid(params["layers"][i]["gate_bias"]))
+        if config.active_memory_layers:
+            metrics["memory_fill"] = jnp.mean(state.mem_valid)
+        return params, opt_state, state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
+@functools.lru_cache(maxsize=8)
+def make_eval_step(config):
+    def step(params, state, batch):
+        logits, state = mt.forward(params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"])
+        ce = mt.cross_entropy(logits, batch["targets"]) * batch["mask"]
+        return state, jnp.sum(ce), jnp.sum(batch["mask"])
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def evaluate(params, config, docs, batch_size, eval_step=None):
+    """Token-level validation loss: each document from its start with a fresh memory."""
+    eval_step = eval_step or make_eval_step(step_config(config))
+    rows = max(1, min(batch_size, len(docs)))
+    state = mt.init_state(config, rows)
+    total, count = 0.0, 0
+    for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
+        state, s, n = eval_step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
+        total, count = total + float(s), count + int(n)
+    loss = total / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _flat(tree):
+    return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save_checkpoint(path, step, params, opt_state, state, data_position):
+    """Atomic: write a temporary file in the same directory, then rename over the old one."""
+    arrays = {}
+    for name, tree in (("params", params), ("opt", opt_state), ("state", state._asdict())):
+        arrays.update({f"{name}{k}": v for k, v in _flat(tree).items()})
+    meta = json.dumps({"step": step, "data_position": data_position})
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, __meta__=np.frombuffer(meta.encode(), np.uint8), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _fill(template, arrays, prefix, path, strict=True):
+    """Arrays of a checkpoint in the template's structure; shapes must match."""
+    leaves = []
+    for p, x in jax.tree_util.tree_flatten_with_path(template)[0]:
+        key = prefix + jax.tree_util.keystr(p)
+        if key not in arrays:
+            if strict:
+                raise UsageError(f"checkpoint {path} has no {key}: it was written for another config.")
+            leaves.append(x)  # a new parameter (e.g. a gate when adding memory) starts fresh
+            continue
+        a = arrays[key]
+        if a.shape != x.shape:
+            raise UsageError(f"checkpoint {path} has {key} of shape {a.shape}, but this config needs {x.shape}.")
+        leaves.append(jnp.asarray(a, x.dtype))
+    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def load_checkpoint(path):
+    """(meta, arrays) of a checkpoint; a missing, truncated or corrupt file is a UsageError."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no checkpoint at {path}.")
+    try:
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(bytes(arrays.pop("__meta__")).decode())
+    except Exception:
+        raise UsageError(f"checkpoint {path} is truncated or corrupt.") from None
+    return meta, arrays
+
+
+# ----------------------------------------------------------------------------- the run
+def config_from_args(args, base=None):
+    fields = {f.name for f in dataclasses.fields(mt.Config)}
+    changes = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if args.memory_layers is not None:
+        changes["memory_layers"] = tuple(int(x) for x in args.memory_layers.split(",") if x.strip())
+    base = base or mt.PRESETS[args.preset]
+    return base.replace(**changes)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny",
+                   help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2)")
+    p.add_argument("--data", default="stdlib", help="stdlib (the running Python's standard library), "
+                   "synthetic (long-range references), or a PATH")
+    p.add_argument("--data-format", default="auto", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
+                   help="how to read PATH: repo = a directory per document, repo-deps = same in import "
+                   "order, text = one .txt file per document, jsonl = one {'text': ...} per line")
+    p.add_argument("--min-doc-tokens", type=int, default=0, help="drop documents shorter than this "
+                   "(4096 gives the paper's C4(4K+))")
+    p.add_argument("--steps", type=int, help="training steps (preset's value if unset)")
+    p.add_argument("--batch-size", type=int, help="batch rows; each row streams documents in order")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per step (rows are split between them)")
+    p.add_argument("--segment-length", type=int, help="tokens per segment T (also the XL cache length)")
+    p.add_argument("--memory-size", type=int, help="memory slots M per row and head; 0 = no memory")
+    p.add_argument("--memory-layers", help="comma-separated 0-based kNN layer indices, e.g. 8")
+    p.add_argument("--num-neighbors", type=int, help="k retrieved memories per query")
+    p.add_argument("--xl-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="Transformer-XL cache of the previous segment")
+    p.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, default=None,
+                   help="exact top-k instead of the binned approximate top-k")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation and matmul precision")
+    p.add_argument("--lr", type=float, help="base learning rate (1.0 in the paper)")
+    p.add_argument("--warmup-steps", type=int, help="linear warmup steps before square-root decay")
+    p.add_argument("--seed", type=int, help="seed for init, data order and split")
+    p.add_argument("--out", help="output directory (default runs/<timestamp>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--init-from", metavar="RUN_DIR", help="start from another run's weights (a different "
+                   "memory size, or a run without memory: new parameters start fresh)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between printed lines")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0 = only at the end)")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--eval-docs", type=int, default=4, help="validation documents to evaluate")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="tokens evaluated from each validation document's start")
+    p.add_argument("--valid-fraction", type=float, default=0.05, help="share of documents held out")
+    p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one and cache it)")
+    p.add_argument("--cache-dir", default=os.environ.get("MT_CACHE", ".cache"), help="tokenizer and token cache")
+    return p
+
+
+def prepare_data(config, args, tokenizer_path=None):
+    """Documents -> tokenizer -> (train tokens, validation tokens, tokenizer path)."""
+    docs = data.load_documents(args.data, args.data_format, seed=0)
+    train_docs, valid_docs = data.split_documents(docs, args.valid_fraction, seed=0)
+    key = data.corpus_key(args.data, args.data_format, 0)
+    if tokenizer_path:
+        sp, tok_path = data.load_tokenizer(tokenizer_path), tokenizer_path
+    else:
+        sp, tok_path = data.get_tokenizer(train_docs, config.vocab_size, args.cache_dir, key)
+    if sp.get_piece_size() > config.vocab_size:
+        raise UsageError(f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {config.vocab_size}.")
+    with open(tok_path, "rb") as f:
+        tok_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+    cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{tok_hash}-{part}.npz")
+    train, _ = data.tokenize(train_docs, sp, cache("train"))
+    valid, _ = data.tokenize(valid_docs, sp, cache("valid"))
+    if args.min_doc_tokens:
+        train = [t for t in train if len(t) >= args.min_doc_tokens]
+        valid = [t for t in valid if len(t) >= args.min_doc_tokens]
+    if not train or not valid:
+        raise UsageError(f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split.")
+    valid = [t[:args.eval_tokens + 1] for t in valid[:args.eval_docs]]
+    return train, valid, tok_path
+
+
+def shard(tree, mesh, spec):
+    from jax.sharding import NamedSharding
+    return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def train(args):
+    t_start = time.time()
+    for name in ("log_every", "save_every", "eval_docs", "eval_tokens"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    if args.resume and args.init_from:
+        raise UsageError("--resume and --init-from cannot be combined.")
+    if args.resume and not args.out:
+        raise UsageError("--resume needs --out, the run to continue.")
+    out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    ckpt_path = os.path.join(out, "checkpoint.npz")
+    if args.resume:
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            raise UsageError(f"there is no run to resume in {out} (no config.json).")
+        with open(os.path.join(out, "config.json")) as f:
+            saved = json.load(f)
+        config = mt.Config(**{**saved["config"], "memory_layers": tuple(saved["config"]["memory_layers"])})
+        if args.steps:
+            config = config.replace(steps=args.steps)
+        for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens"):
+            setattr(args, k, saved["args"][k])
+        tokenizer = os.path.join(out, "tokenizer.model")
+    else:
+        try:
+            config = config_from_args(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        tokenizer = args.tokenizer
+        if args.init_from:
+            tokenizer = os.path.join(args.init_from, "tokenizer.model")
+            if not os.path.isfile(tokenizer):
+                raise UsageError(f"--init-from {args.init_from} is not a run directory (no tokenizer.model).")
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError:
+        raise UsageError(f"cannot write to the output directory {out}.") from None
+
+    train_tokens, valid_tokens, tok_path = prepare_data(config, args, tokenizer)
+    if os.path.abspath(tok_path) != os.path.abspath(os.path.join(out, "tokenizer.model")):
+        with open(tok_path, "rb") as src, open(os.path.join(out, "tokenizer.model"), "wb") as dst:
+            dst.write(src.read())
+    stream = data.segment_batches(train_tokens, config.batch_size, config.segment_length, config.seed)
+    n_dev = jax.device_count()
+    if config.batch_size % (n_dev * config.grad_accum):
+        raise UsageError(f"batch_size {config.batch_size} must be divisible by {n_dev} devices x grad_accum {config.grad_accum}.")
+
+    rng = jax.random.PRNGKey(config.seed)
+    params = mt.init_params(config, rng)
+    opt_state = make_optimizer(config)[0](params)
+    state = mt.init_state(config, config.batch_size)
+    step = 0
+    if args.resume:
+        meta, arrays = load_checkpoint(ckpt_path)
+        params = _fill(params, arrays, "params", ckpt_path)
+        opt_state = _fill(opt_state, arrays, "opt", ckpt_path)
+        state = mt.State(**_fill(state._asdict(), arrays, "state", ckpt_path))
+        step = meta["step"]
+        stream.restore(meta["data_position"])
+        _truncate_metrics(os.path.join(out, "metrics.jsonl"), step)
+    elif args.init_from:
+        src = os.path.join(args.init_from, "checkpoint.npz")
+        _, arrays = load_checkpoint(src)
+        params = _fill(params, arrays, "params", src, strict=False)
+    if not args.resume:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({"config": dataclasses.asdict(config), "args": vars(args)}, f, indent=2)
+        open(os.path.join(out, "metrics.jsonl"), "w").close()
+
+    if n_dev > 1:  # data parallelism: rows (and their memories) sharded, params replicated
+        from jax.sharding import Mesh, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        params, opt_state = shard(params, mesh, P()), shard(opt_state, mesh, P())
+        state = shard(state, mesh, P("data"))
+        place = lambda batch: shard(batch, mesh, P("data"))
+    else:
+        place = lambda batch: batch
+    train_step = make_train_step(step_config(config))
+    eval_step = make_eval_step(step_config(config))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    print(f"run {out}: {n_params / 1e6:.2f}M params, {sum(map(len, train_tokens)) / 1e6:.2f}M train tokens, "
+          f"{len(train_tokens)} train / {len(valid_tokens)} valid documents, device {jax.devices()[0].platform}"
+          f" x{n_dev}, memory {config.memory_size} in layers {list(config.active_memory_layers)}", flush=True)
+
+    stop = {"signal": None}
+
+    def on_signal(signum, _):
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    log = open(os.path.join(out, "metrics.jsonl"), "a")
+    t_log, tokens_since = time.time(), 0
+    try:
+        while step < config.steps:
+            batch = next(stream)
+            mt.check_tokens(batch["tokens"], config.vocab_size)
+            feed = place({k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
+            new = train_step(params, opt_state, state, feed)
+            metrics = jax.device_get(new[3])
+            if not np.isfinite(metrics["loss"]):
+                print(f"error: the loss is {metrics['loss']} at step {step + 1}; stopped, the last checkpoint "
+                      f"({ckpt_path}) is kept.", file=sys.stderr)
+                return 3
+            params, opt_state, state = new[:3]
+            step += 1
+            tokens_since += int(metrics["tokens"])
+            if step % args.log_every == 0 or step == config.steps:
+                now = time.time()
+                rec = {"step": step, "loss": float(metrics["loss"]), "perplexity": math.exp(min(float(metrics["loss"]), 50)),
+                       "lr": float(learning_rate(step, config.lr, config.warmup_steps)),
+                       "tokens_per_s": tokens_since / (now - t_log)}
+                rec.update({k: float(v) for k, v in metrics.items() if k.startswith(("gate", "memory"))})
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                gates = " ".join(f"g{k[5:]} {v:.3f}" for k, v in rec.items() if k.startswith("gate_"))
+                fill = f" fill {rec['memory_fill']:.2f}" if "memory_fill" in rec else ""
+                print(f"step {step:6d} | loss {rec['loss']:.4f} | ppl {rec['perplexity']:9.2f} | lr {rec['lr']:.2e} | "
+                      f"{rec['tokens_per_s']:8.0f} tok/s{fill} {gates}", flush=True)
+                t_log, tokens_since = time.time(), 0
+            if args.eval_every and step % args.eval_every == 0 and step < config.steps:
+                ev = evaluate(params, config, valid_tokens, config.batch_size, eval_step)
+                log.write(json.dumps({"step": step, "eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}) + "\n")
+                print(f"eval {step:6d} | loss {ev['loss']:.4f} | ppl {ev['perplexity']:9.2f}", flush=True)
+            if step % args.save_every == 0 or step == config.steps or stop["signal"]:
+                save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position())
+            if stop["signal"]:
+                print(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with "
+                      f"--out {out} --resume", file=sys.stderr)
+                return 130
+    finally:
+        log.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    ev = evaluate(params, config, valid_tokens, config.batch_size, eval_step)
+    result = {"step": step, "loss": ev["loss"], "perplexity": ev["perplexity"], "tokens": ev["tokens"]}
+    if config.active_memory_layers:
+        off = evaluate(mt.memory_off(params), config, valid_tokens, config.batch_size, eval_step)
+        result.update(loss_memory_off=off["loss"], perplexity_memory_off=off["perplexity"])
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}) + "\n")
+    tmp = os.path.join(out, "eval.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, os.path.join(out, "eval.json"))
+    off = f" (memory off: {result['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in result else ""
+    print(f"eval {step:6d} | loss {ev['loss']:.4f} | ppl {ev['perplexity']:9.2f}{off} | "
+          f"{ev['tokens']} tokens | {time.time() - t_start:.0f} s total | {out}/eval.json", flush=True)
+    return 0
+
+
+def _truncate_metrics(path, step):
+    """Drop lines logged after the checkpoint's step (a resumed run logs them again)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return train(args)
+    except (UsageError, data.DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
