@@ -48,7 +48,7 @@ class Config:
     max_distance: int = 128
     exact_topk: bool = False  # True: lax.top_k; False: binned approximate top-k (Sec. 3.3)
     topk_recall_target: float = 0.95  # sets the number of bins of the approximate top-k
-    memory_chunk: int = 4096  # memory slots scored at once: scores never exceed [B, H, T, chunk]
+    memory_chunk: int = 1024  # memory slots scored at once: scores never exceed [B, H, T, chunk]
     dtype: str = "float32"  # activations and matmuls; "bfloat16" for mixed precision
     memory_dtype: str = "float32"  # storage of the memory and the XL cache
     # training (Sec. 4.2)
@@ -123,7 +123,7 @@ PRESETS = {
     # A 2-core CPU: visibly learns within ten minutes.
     "tiny": Config(vocab_size=2048, d_model=128, num_layers=4, num_heads=4, head_dim=32, d_ff=512,
                    segment_length=128, memory_layers=(2,), memory_size=512, num_neighbors=32,
-                   batch_size=8, steps=600, warmup_steps=100, memory_chunk=1024),
+                   batch_size=8, steps=1200, warmup_steps=100),
 }
 
 
@@ -136,6 +136,9 @@ class State(NamedTuple):
     mem_v: jax.Array  # [B, Lm, H, M, D]
     mem_valid: jax.Array  # [B, M] bool: slot holds a key of the current document
     mem_pos: jax.Array  # [B] int32: next slot to write
+    pending_k: jax.Array  # [B, Lm, H, T, D] the last segment's keys, appended at the next call
+    pending_v: jax.Array  # [B, Lm, H, T, D]
+    pending_valid: jax.Array  # [B, T] bool
 
 
 def init_state(config, batch_size):
@@ -151,6 +154,9 @@ def init_state(config, batch_size):
         mem_v=jnp.zeros((batch_size, n_mem, H, m if n_mem else 0, D), dt),
         mem_valid=jnp.zeros((batch_size, m if n_mem else 0), bool),
         mem_pos=jnp.zeros((batch_size,), jnp.int32),
+        pending_k=jnp.zeros((batch_size, n_mem, H, c.segment_length if n_mem else 0, D), dt),
+        pending_v=jnp.zeros((batch_size, n_mem, H, c.segment_length if n_mem else 0, D), dt),
+        pending_valid=jnp.zeros((batch_size, c.segment_length if n_mem else 0), bool),
     )
 
 
@@ -270,11 +276,25 @@ def _largest_divisor_at_most(n, cap):
 
 
 def bin_max(scores, bin_size):
-    """Each contiguous bin's best entry. scores: [..., N] -> values, indices: [..., N // bin_size]."""
-    binned = scores.reshape(scores.shape[:-1] + (-1, bin_size))  # [..., N / bin, bin]
-    arg = jnp.argmax(binned, axis=-1)  # [..., N / bin]
-    vals = jnp.take_along_axis(binned, arg[..., None], axis=-1)[..., 0]
-    return vals, arg + bin_size * jax.lax.broadcasted_iota(arg.dtype, arg.shape, arg.ndim - 1)
+    """Each contiguous bin's best entry: scores [..., N] -> values, indices [..., N / bin_size].
+
+    One fused max, no argmax pass: a float's bits, read as an int32 with the negative ones
+    flipped, sort like the float; the low log2(bin_size) bits are replaced by the entry's
+    position in its bin, so the max carries its own index. The returned values lose those
+    low mantissa bits (bin_size 128: 7 of 23 bits); ranking is unchanged beyond ~1e-5
+    relative. bin_size must be a power of two; 1 gives the scores back exactly.
+    """
+    assert bin_size & (bin_size - 1) == 0, f"bin_size {bin_size} is not a power of two"
+    low = bin_size - 1
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    key = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float value
+    key = key.reshape(scores.shape[:-1] + (-1, bin_size))  # [..., N / bin, bin]
+    key = (key & ~low) | jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+    best = jnp.max(key, axis=-1)  # [..., N / bin]
+    value = best & ~low
+    value = jax.lax.bitcast_convert_type(jnp.where(value < 0, value ^ 0x7FFFFFFF, value), jnp.float32)
+    start = bin_size * jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1)
+    return value, start + (best & low)
 
 
 def approx_top_k(scores, k, num_bins):
@@ -299,16 +319,19 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     n_chunks = M // chunk
     if config.exact_topk:
         bin_size = None
-    else:
+    else:  # the largest power-of-two bin that leaves at least num_topk_bins bins
         bins = num_topk_bins(K, M, config.topk_recall_target)
-        bin_size = _largest_divisor_at_most(chunk, M // bins)
+        bin_size = 1
+        while chunk % (2 * bin_size) == 0 and 2 * bin_size <= M // bins:
+            bin_size *= 2
     qs = jax.lax.stop_gradient(q) * scale.astype(q.dtype)[None, None, :, None]  # [B, T, H, D]
-    mem_k_chunks = jnp.moveaxis(mem_k.reshape(B, H, n_chunks, chunk, D), 2, 0)  # [n, B, H, chunk, D]
-    valid_chunks = jnp.moveaxis(mem_valid.reshape(B, n_chunks, chunk), 1, 0)  # [n, B, chunk]
+    qs = jnp.transpose(qs, (0, 2, 1, 3))  # [B, H, T, D]
 
-    def candidates(_, xs):
-        i, kc, vc = xs
-        s = jnp.einsum("bthd,bhmd->bhtm", qs, kc.astype(qs.dtype),
+    def candidates(_, i):
+        # Slices of the memory in place: no copy of the memory is ever made.
+        kc = jax.lax.dynamic_slice_in_dim(mem_k, i * chunk, chunk, axis=2)  # [B, H, chunk, D]
+        vc = jax.lax.dynamic_slice_in_dim(mem_valid, i * chunk, chunk, axis=1)  # [B, chunk]
+        s = jnp.einsum("bhtd,bhmd->bhtm", qs, kc.astype(qs.dtype),
                        preferred_element_type=jnp.float32)  # [B, H, T, chunk]
         s = jnp.where(vc[:, None, None, :], s, NEG_INF)
         if bin_size is None:
@@ -317,7 +340,7 @@ def memory_search(q, mem_k, mem_valid, scale, config):
             vals, idx = bin_max(s, bin_size)  # [B, H, T, chunk / bin]
         return None, (vals, idx + i * chunk)
 
-    _, (vals, idx) = jax.lax.scan(candidates, None, (jnp.arange(n_chunks), mem_k_chunks, valid_chunks))
+    _, (vals, idx) = jax.lax.scan(candidates, None, jnp.arange(n_chunks))  # [n, B, H, T, w]
     vals = jnp.moveaxis(vals, 0, 3).reshape(B, H, q.shape[1], -1)  # [B, H, T, n * w]
     idx = jnp.moveaxis(idx, 0, 3).reshape(B, H, q.shape[1], -1)
     top, pos = jax.lax.top_k(vals, K)  # [B, H, T, K]
@@ -345,15 +368,35 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config):
 
 
 def write_memory(mem, new, pos, axis):
-    """FIFO ring buffer append: each row b writes new[b] at slot pos[b] along `axis`.
+    """FIFO ring buffer append: row b writes new[b] at slot pos[b] along `axis`.
 
-    mem: [B, ..., M, ...], new: [B, ..., T, ...], pos: [B]; `axis` counts from after B.
-    M is a multiple of T and pos a multiple of T, so a write never wraps around.
+    mem: [B, ...] with M on `axis` (counted after B), new: the same with T, pos: [B].
+    M and pos are multiples of T, so a write never wraps around.
     """
     def one_row(m, n, p):
-        start = tuple(p if a == axis else 0 for a in range(m.ndim))
+        start = [0] * m.ndim
+        start[axis] = p
         return jax.lax.dynamic_update_slice(m, n.astype(m.dtype), start)
     return jax.vmap(one_row)(mem, new, pos)
+
+
+def commit_memory(state, reset):
+    """Append the pending segment (the last call's keys and values) to the memory, then clear
+    the rows that start a new document. Returns (mem_k, mem_v, mem_valid, mem_pos).
+
+    Sec. 3.1 retrieves with a segment's queries and then appends its keys and values. Here
+    the append is held back to the start of the next call: the memory that call searches
+    is the same, and as the reads now depend on the write, XLA updates the memory in place
+    instead of copying all M slots each step. A row advances only if it had something to
+    append; a reset row drops its pending segment and starts empty at slot 0.
+    """
+    keep = ~reset.astype(bool)  # [B]
+    ok = state.pending_valid & keep[:, None]  # [B, T]
+    mem_k = write_memory(state.mem_k, state.pending_k, state.mem_pos, axis=2)  # [B, Lm, H, M, D]
+    mem_v = write_memory(state.mem_v, state.pending_v, state.mem_pos, axis=2)
+    mem_valid = write_memory(state.mem_valid, ok, state.mem_pos, axis=0) & keep[:, None]  # [B, M]
+    advanced = (state.mem_pos + ok.shape[1] * jnp.any(ok, axis=1)) % max(mem_valid.shape[1], 1)
+    return mem_k, mem_v, mem_valid, jnp.where(keep, advanced, 0).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -376,12 +419,12 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     keep = ~reset.astype(bool)  # [B]
     # A document start clears the row's cache and memory: nothing crosses a document boundary.
     cache_valid = state.cache_valid & keep[:, None]  # [B, C]
-    mem_valid = state.mem_valid & keep[:, None]  # [B, M]
-    mem_pos = jnp.where(keep, state.mem_pos, 0)  # [B]
+    mem_k, mem_v, mem_valid, mem_pos = commit_memory(state, reset) if c.active_memory_layers else (
+        state.mem_k, state.mem_v, state.mem_valid, state.mem_pos)
     key_valid = jnp.concatenate([cache_valid, mask], axis=1)  # [B, S]
 
     x = params["embed"][tokens].astype(dt)  # [B, T, E]
-    new_k, new_v, new_mem_k, new_mem_v, retrievals = [], [], [], [], []
+    new_k, new_v, pending_k, pending_v, retrievals = [], [], [], [], []
     for i, p in enumerate(params["layers"]):
         h = rms_norm(x, p["attn_norm"])  # [B, T, E]
         q = l2_normalize(jnp.einsum("bte,ehd->bthd", h, p["wq"].astype(dt)))  # [B, T, H, D]
@@ -396,16 +439,14 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         if i in c.active_memory_layers:
             j = c.active_memory_layers.index(i)
             mem_out, has_memory, slots, weights = knn_attention(
-                q, state.mem_k[:, j], state.mem_v[:, j], mem_valid, scale, c)
+                q, mem_k[:, j], mem_v[:, j], mem_valid, scale, c)
             # Eqs. (1)-(2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g) per head. A query
             # with no valid memory (empty memory) keeps its local result.
             g = jax.nn.sigmoid(p["gate_bias"])[None, None, :] * has_memory  # [B, T, H]
             out = (mem_out * g[..., None] + out * (1 - g[..., None])).astype(dt)  # [B, T, H, D]
-            # Retrieve, then append this segment's keys and values (Sec. 3.1).
-            kT = jnp.transpose(jax.lax.stop_gradient(k), (0, 2, 1, 3))  # [B, H, T, D]
-            vT = jnp.transpose(jax.lax.stop_gradient(v), (0, 2, 1, 3))  # [B, H, T, D]
-            new_mem_k.append(write_memory(state.mem_k[:, j], kT, mem_pos, axis=1))  # [B, H, M, D]
-            new_mem_v.append(write_memory(state.mem_v[:, j], vT, mem_pos, axis=1))
+            # This segment's keys and values go to the memory at the next call (commit_memory).
+            pending_k.append(jnp.transpose(jax.lax.stop_gradient(k), (0, 2, 1, 3)))  # [B, H, T, D]
+            pending_v.append(jnp.transpose(jax.lax.stop_gradient(v), (0, 2, 1, 3)))
             retrievals.append({"slots": slots, "weights": weights})
         x = x + jnp.einsum("bthd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
         h = rms_norm(x, p["ffn_norm"])  # [B, T, E]
@@ -422,14 +463,12 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         cache_valid = mask
     else:
         cache_k, cache_v = state.cache_k, state.cache_v  # zero-length
-    if new_mem_k:
-        mem_k = jnp.stack(new_mem_k, axis=1)  # [B, Lm, H, M, D]
-        mem_v = jnp.stack(new_mem_v, axis=1)
-        mem_valid = write_memory(mem_valid, mask, mem_pos, axis=0)  # [B, M]
-        mem_pos = (mem_pos + T) % c.memory_size
+    if c.active_memory_layers:
+        pending = (jnp.stack(pending_k, axis=1).astype(mem_k.dtype),  # [B, Lm, H, T, D]
+                   jnp.stack(pending_v, axis=1).astype(mem_v.dtype), mask)
     else:
-        mem_k, mem_v = state.mem_k, state.mem_v
-    new_state = State(cache_k, cache_v, cache_valid, mem_k, mem_v, mem_valid, mem_pos)
+        pending = (state.pending_k, state.pending_v, state.pending_valid)
+    new_state = State(cache_k, cache_v, cache_valid, mem_k, mem_v, mem_valid, mem_pos, *pending)
     if return_retrievals:
         return logits, new_state, retrievals
     return logits, new_state

@@ -300,18 +300,19 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
         tokens = random_tokens(100 + i, cfg, 2, 1)
         _, state = forward(params, state, tokens, jnp.full((2,), i == 0), cfg)
         written.append(np.asarray(state.cache_k[:, cfg.memory_layers[0]]))  # [B, T, H, D]
-    valid = np.asarray(state.mem_valid)
+    # The last segment is pending until the next call appends it; commit it to see the memory.
+    mem_k, _, valid, pos = map(np.asarray, mt.commit_memory(state, jnp.zeros(2, bool)))
     assert valid.sum(1).tolist() == [min(n * T, M)] * 2
-    mem = np.asarray(state.mem_k[:, 0])  # [B, H, M, D]
     slots_per_segment = M // T
     for age, keys in enumerate(reversed(written[-slots_per_segment:])):  # newest first
         start = ((n - 1 - age) * T) % M
-        np.testing.assert_array_equal(mem[:, :, start:start + T], np.transpose(keys, (0, 2, 1, 3)))
+        np.testing.assert_array_equal(mem_k[:, 0, :, start:start + T], np.transpose(keys, (0, 2, 1, 3)))
         assert valid[:, start:start + T].all()
-    assert int(state.mem_pos[0]) == (n * T) % M
+    assert pos.tolist() == [(n * T) % M] * 2
     # A reset clears only the flagged rows.
     _, state = forward(params, state, random_tokens(7, cfg, 2, 1), jnp.array([True, False]), cfg)
-    assert np.asarray(state.mem_valid).sum(1).tolist() == [T, min((n + 1) * T, M)]
+    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool))[2])
+    assert valid.sum(1).tolist() == [T, min((n + 1) * T, M)]
 
 
 def test_padding_is_never_stored_as_a_valid_entry(params):
@@ -320,7 +321,8 @@ def test_padding_is_never_stored_as_a_valid_entry(params):
     mask[0, 5:] = False
     _, state = forward(params, mt.init_state(cfg, 2), random_tokens(0, cfg, 2, 1), jnp.ones(2, bool), cfg,
                        mask=jnp.asarray(mask))
-    assert np.asarray(state.mem_valid).sum(1).tolist() == [5, cfg.segment_length]
+    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool))[2])
+    assert valid.sum(1).tolist() == [5, cfg.segment_length]
     assert np.asarray(state.cache_valid).sum(1).tolist() == [5, cfg.segment_length]
 
 
@@ -350,7 +352,7 @@ def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_loc
     _, state = stream(params, tokens[:, :2 * cfg.segment_length], cfg)
     seg = tokens[:, 2 * cfg.segment_length:]
 
-    names = ("cache_k", "cache_v", "mem_k", "mem_v")
+    names = ("cache_k", "cache_v", "mem_k", "mem_v", "pending_k", "pending_v")
 
     def f(params, arrays):
         logits, _ = mt.forward(params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg)

@@ -1,0 +1,201 @@
+"""What the memory costs: step time against memory size, next to the arithmetic floor.
+
+  python benchmark.py                                   # tiny preset, M = 0, 8192, 65536
+  python benchmark.py --preset paper --batch-size 1 --steps 3
+  python benchmark.py --json rows.json
+
+Each memory size runs in its own process (so that peak memory is that row's own), compiles
+the jitted train step once, warms up, and reports the median of --steps timed steps
+(block_until_ready). A second table times the forward pass alone.
+
+The floor: training FLOPs with the memory over those without, counting what the memory
+must add and nothing else: one forward-only [T, M] score product per head in each memory
+layer, and attention over the K retrieved pairs (forward and backward).
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+COLUMNS = ("memory_size", "step_s", "ratio", "floor_ratio", "tokens_per_s", "peak_bytes", "recall")
+
+
+def train_flops(c, batch, memory_size):
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward)."""
+    B, T, E, H, D, F, V, L = batch, c.segment_length, c.d_model, c.num_heads, c.head_dim, c.d_ff, c.vocab_size, c.num_layers
+    S = c.cache_length + T
+    dense = 2 * B * T * (L * (4 * E * H * D + 2 * E * F) + E * V)  # projections, FFN, logits
+    attention = 2 * B * H * T * S * D * 2 * L  # q.k and weights.v
+    forward = dense + attention
+    n_mem = len(c.memory_layers) if memory_size else 0
+    search = 2 * B * H * T * memory_size * D * n_mem  # forward only: retrieval is not differentiated
+    retrieved = 2 * B * H * T * c.num_neighbors * D * 2 * n_mem  # q.k and weights.v over K pairs
+    return 3 * (forward + retrieved) + search, forward + retrieved + search
+
+
+def peak_bytes():
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def measure_recall(c, memory_size, queries=64):
+    """Approximate top-k against exact top-k on random unit vectors, through memory_search."""
+    import jax.numpy as jnp
+    import memorizing_transformer as mt
+    if not memory_size or c.exact_topk:
+        return 1.0 if memory_size else None
+    rng = np.random.default_rng(0)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    cfg = c.replace(memory_size=memory_size, segment_length=queries, num_heads=1)
+    q = unit(rng.standard_normal((1, queries, 1, c.head_dim))).astype(np.float32)
+    k = unit(rng.standard_normal((1, 1, memory_size, c.head_dim))).astype(np.float32)
+    valid = np.ones((1, memory_size), bool)
+    _, approx = mt.memory_search(q, k, valid, jnp.ones(1), cfg)
+    _, exact = mt.memory_search(q, k, valid, jnp.ones(1), cfg.replace(exact_topk=True))
+    a, e = np.asarray(approx).reshape(-1, c.num_neighbors), np.asarray(exact).reshape(-1, c.num_neighbors)
+    return float(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a.tolist(), e.tolist())]))
+
+
+def device_name():
+    import jax
+    d = jax.devices()[0]
+    if d.platform != "cpu":
+        return d.device_kind
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"CPU {model}, {os.cpu_count()} cores"
+
+
+def run_row(preset, batch, memory_size, steps, dtype):
+    """One memory size, in this process: returns the row's measurements."""
+    import jax
+    import jax.numpy as jnp
+    import memorizing_transformer as mt
+    import train
+    base = mt.PRESETS[preset]
+    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype,
+                     memory_chunk=min(base.memory_chunk, max(memory_size, base.segment_length)))
+    params = mt.init_params(c, jax.random.PRNGKey(0))
+    opt_state = train.make_optimizer(c)[0](params)
+    state = mt.init_state(c, batch)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, c.vocab_size, (batch, c.segment_length)).astype(np.int32)
+    batch_arrays = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones(tokens.shape, bool),
+                    "reset": np.zeros(batch, bool)}
+    step = train.make_train_step(train.step_config(c))
+    t0 = time.perf_counter()
+    params, opt_state, state, m = step(params, opt_state, state, batch_arrays)  # compile + first step
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps + 1):  # one more warm-up step, then the timed ones
+        t0 = time.perf_counter()
+        params, opt_state, state, m = step(params, opt_state, state, batch_arrays)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[1:])
+    peak = peak_bytes()  # before the forward timing below, which keeps a second state alive
+    fwd = jax.jit(mt.forward, static_argnums=4)
+    fwd_times = []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fwd(params, state, jnp.asarray(tokens), jnp.zeros(batch, bool), c))
+        fwd_times.append(time.perf_counter() - t0)
+    train_f, fwd_f = train_flops(c, batch, memory_size)
+    return {"memory_size": memory_size, "step_s": step_s, "forward_s": statistics.median(fwd_times[2:]),
+            "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
+            "recall": measure_recall(c, memory_size), "train_flops": train_f, "forward_flops": fwd_f,
+            "compile_s": compile_s, "device": device_name(),
+            "memory_bytes": 2 * len(c.active_memory_layers) * batch * c.num_heads * memory_size * c.head_dim *
+            (2 if c.memory_dtype == "bfloat16" else 4)}
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def main(argv=None):
+    import memorizing_transformer as mt
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny", help="model config to time")
+    p.add_argument("--batch-size", type=positive_int, help="batch rows (preset's value if unset)")
+    p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory (the baseline)")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per row (median reported)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation precision")
+    p.add_argument("--json", help="write the rows to this file as a list of objects")
+    p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
+    args = p.parse_args(argv)
+    base = mt.PRESETS[args.preset]
+    batch = args.batch_size or base.batch_size
+    try:
+        sizes = [int(x) for x in args.memory_sizes.split(",") if x.strip()]
+        if not sizes:
+            raise ValueError("--memory-sizes is empty.")
+        for m in sizes:
+            base.replace(memory_size=m, batch_size=batch, grad_accum=1)  # validates
+    except ValueError as e:
+        print(f"error: {e}" if "invalid literal" not in str(e) else
+              f"error: --memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.", file=sys.stderr)
+        return 2
+    if args.row is not None:
+        print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype)))
+        return 0
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        print(f"error: cannot write {args.json}: its directory does not exist.", file=sys.stderr)
+        return 2
+
+    rows = []
+    for m in sizes:
+        cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
+               "--steps", str(args.steps), "--dtype", args.dtype, "--row", str(m)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            print(f"error: the row with memory size {m} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
+    for r in rows:
+        r["ratio"] = r["step_s"] / base_row["step_s"]
+        r["floor_ratio"] = r["train_flops"] / base_row["train_flops"]
+        r["forward_ratio"] = r["forward_s"] / base_row["forward_s"]
+        r["forward_floor_ratio"] = r["forward_flops"] / base_row["forward_flops"]
+
+    c = base
+    print(f"device: {rows[0]['device']} | preset {args.preset}: {c.num_layers} layers, d_model {c.d_model}, "
+          f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, median of {args.steps} steps")
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"
+    print("\ntrain step")
+    print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'recall':>7}")
+    for r in rows:
+        print(f"{r['memory_size']:>8} {r['step_s']:>9.4f} {r['ratio']:>7.3f} {r['floor_ratio']:>7.3f} "
+              f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['recall']):>7}")
+    print("\nforward pass")
+    print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7}")
+    for r in rows:
+        print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} {r['forward_floor_ratio']:>7.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
