@@ -26,6 +26,10 @@ import numpy as np
 COLUMNS = ("memory_size", "step_s", "ratio", "floor_ratio", "tokens_per_s", "peak_bytes", "recall")
 
 
+# Dense bf16 peak of the cards this was meant for (vendor figures, without sparsity).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
 def train_flops(c, batch, memory_size):
     """Matmul FLOPs of one training step (forward + backward = 3 x forward)."""
     B, T, E, H, D, F, V, L = batch, c.segment_length, c.d_model, c.num_heads, c.head_dim, c.d_ff, c.vocab_size, c.num_layers
@@ -55,7 +59,7 @@ def measure_recall(c, memory_size, queries=64):
         return 1.0 if memory_size else None
     rng = np.random.default_rng(0)
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    cfg = c.replace(memory_size=memory_size, segment_length=queries, num_heads=1)
+    cfg = c.replace(memory_size=memory_size, segment_length=queries, num_heads=1, d_model=c.head_dim)
     q = unit(rng.standard_normal((1, queries, 1, c.head_dim))).astype(np.float32)
     k = unit(rng.standard_normal((1, 1, memory_size, c.head_dim))).astype(np.float32)
     valid = np.ones((1, memory_size), bool)
@@ -85,8 +89,7 @@ def run_row(preset, batch, memory_size, steps, dtype):
     import memorizing_transformer as mt
     import train
     base = mt.PRESETS[preset]
-    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype,
-                     memory_chunk=min(base.memory_chunk, max(memory_size, base.segment_length)))
+    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype)
     params = mt.init_params(c, jax.random.PRNGKey(0))
     opt_state = train.make_optimizer(c)[0](params)
     state = mt.init_state(c, batch)
@@ -106,12 +109,13 @@ def run_row(preset, batch, memory_size, steps, dtype):
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[1:])
-    peak = peak_bytes()  # before the forward timing below, which keeps a second state alive
-    fwd = jax.jit(mt.forward, static_argnums=4)
+    peak = peak_bytes()
+    fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
     fwd_times = []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
-        jax.block_until_ready(fwd(params, state, jnp.asarray(tokens), jnp.zeros(batch, bool), c))
+        logits, state = fwd(params, state, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
+        jax.block_until_ready(logits)
         fwd_times.append(time.perf_counter() - t0)
     train_f, fwd_f = train_flops(c, batch, memory_size)
     return {"memory_size": memory_size, "step_s": step_s, "forward_s": statistics.median(fwd_times[2:]),
@@ -172,7 +176,9 @@ def main(argv=None):
             return 1
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in rows[0]["device"]), None)
     for r in rows:
+        r["mfu"] = r["train_flops"] / r["step_s"] / peak if peak else None
         r["ratio"] = r["step_s"] / base_row["step_s"]
         r["floor_ratio"] = r["train_flops"] / base_row["train_flops"]
         r["forward_ratio"] = r["forward_s"] / base_row["forward_s"]
@@ -186,7 +192,8 @@ def main(argv=None):
     print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'recall':>7}")
     for r in rows:
         print(f"{r['memory_size']:>8} {r['step_s']:>9.4f} {r['ratio']:>7.3f} {r['floor_ratio']:>7.3f} "
-              f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['recall']):>7}")
+              f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['recall']):>7}"
+              + (f" MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""))
     print("\nforward pass")
     print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7}")
     for r in rows:

@@ -85,9 +85,9 @@ class Config:
                                  f"{self.num_layers} layers (0-based).")
         if len(set(self.memory_layers)) != len(self.memory_layers):
             raise ValueError(f"memory_layers has a repeated index: {self.memory_layers}.")
-        if self.d_model % self.num_heads and self.num_heads * self.head_dim != self.d_model:
-            raise ValueError(f"num_heads * head_dim ({self.num_heads * self.head_dim}) must equal "
-                             f"d_model ({self.d_model}) when d_model is not divisible by num_heads.")
+        if self.num_heads * self.head_dim != self.d_model:
+            raise ValueError(f"num_heads * head_dim ({self.num_heads} * {self.head_dim}) must equal "
+                             f"d_model ({self.d_model}).")
         if not 0.0 < self.topk_recall_target < 1.0:
             raise ValueError(f"topk_recall_target must be in (0, 1), got {self.topk_recall_target}.")
         for name in ("dtype", "memory_dtype"):
@@ -115,7 +115,7 @@ class Config:
 PRESETS = {
     # Sec. 4.2: 12 layers, d_model 1024, 8 heads of 128, FFN 4096, 32K vocab, T = 512, XL cache,
     # memory in the 9th layer, M = 8192, k = 32; 2^17 tokens a batch = 256 rows of 512.
-    "paper": Config(),
+    "paper": Config(grad_accum=8),  # 8 micro-batches of 32 rows on one accelerator
     # One GPU, a few minutes.
     "small": Config(vocab_size=8192, d_model=512, num_layers=8, num_heads=8, head_dim=64, d_ff=2048,
                     segment_length=512, memory_layers=(5,), memory_size=2048, batch_size=32,

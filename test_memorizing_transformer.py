@@ -225,7 +225,7 @@ def recall(slots, exact_slots):
 
 @pytest.mark.parametrize("memory_size", [8192, 65536])
 def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size):
-    cfg = mt.Config(memory_size=memory_size, segment_length=64, num_neighbors=32, head_dim=32, num_heads=1)
+    cfg = mt.Config(memory_size=memory_size, segment_length=64, num_neighbors=32, head_dim=32, num_heads=1, d_model=32)
     rng = np.random.default_rng(0)
     q = np_unit(rng.standard_normal((1, 64, 1, 32))).astype(np.float32)
     mk = np_unit(rng.standard_normal((1, 1, memory_size, 32))).astype(np.float32)
@@ -417,3 +417,14 @@ def test_presets_are_valid_and_paper_matches_section_4_2():
     assert (p.num_layers, p.d_model, p.num_heads, p.head_dim, p.d_ff, p.vocab_size) == (12, 1024, 8, 128, 4096, 32768)
     assert (p.segment_length, p.xl_cache, p.memory_layers, p.memory_size, p.num_neighbors) == (512, True, (8,), 8192, 32)
     assert p.batch_size * p.segment_length == 2 ** 17
+
+
+def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
+    """Mixed precision: bf16 matmuls, activations and memory; fp32 params and softmax statistics."""
+    tokens = random_tokens(9, SMALL, 2, 3)
+    want, _ = stream(params, tokens, SMALL)
+    got, state = stream(params, tokens, SMALL.replace(dtype="bfloat16", memory_dtype="bfloat16"))
+    assert got.dtype == jnp.float32 and state.mem_k.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(got))
+    # bf16 keeps 8 bits of mantissa: logits agree to a few hundredths of their spread.
+    assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 0.1 * np.std(np.asarray(want)) + 0.05

@@ -3,8 +3,10 @@ sharding, the smoke run and the command line's answers to bad input."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +218,86 @@ def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
     (tmp_path / "r3" / "checkpoint.npz").write_bytes(good)
     assert run(tmp_path / "r3", cache, "--steps", "2", "--resume") == 2
     assert "this config needs" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- benchmark.py
+def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
+    out = tmp_path / "rows.json"
+    # Memory 512 at the preset's batch is the smoke run's config: its compiled step is cached.
+    proc = subprocess.run([sys.executable, "benchmark.py", "--memory-sizes", "0,512", "--steps", "1",
+                           "--json", str(out)], cwd=HERE, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["memory_size"] for r in rows] == [0, 512]
+    for r in rows:
+        assert {"memory_size", "step_s", "ratio", "floor_ratio", "tokens_per_s", "peak_bytes", "recall"} <= set(r)
+        assert r["step_s"] > 0 and r["peak_bytes"] > 0
+    assert rows[0]["ratio"] == 1.0 and rows[0]["floor_ratio"] == 1.0 and rows[0]["recall"] is None
+    assert rows[1]["floor_ratio"] > 1.0 and 0.9 <= rows[1]["recall"] <= 1.0
+    assert "device: CPU" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
+
+
+def test_benchmark_rejects_bad_sizes_with_exit_code_2():
+    for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"]):
+        proc = subprocess.run([sys.executable, "benchmark.py"] + flags, cwd=HERE, capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (flags, proc.stderr)
+
+
+# ----------------------------------------------------------------------------- interruptions
+def start(out, cache, *extra):
+    return subprocess.Popen([sys.executable, "train.py"] + FAST + ["--out", str(out), "--cache-dir", cache] + list(extra),
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc, step):
+    for line in proc.stdout:
+        if line.startswith("step") and int(line.split()[1]) >= step:
+            return
+    raise AssertionError(f"train.py ended before step {step}: {proc.stderr.read()}")
+
+
+def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path, cache):
+    proc = start(tmp_path / "r", cache, "--steps", "100000", "--save-every", "100000")
+    wait_for_step(proc, 3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert "interrupted at step" in proc.stderr.read()
+    meta, _ = train.load_checkpoint(str(tmp_path / "r" / "checkpoint.npz"))
+    k = meta["step"]
+    assert run(tmp_path / "r", cache, "--steps", str(k + 3), "--resume") == 0
+    assert run(tmp_path / "full", cache, "--steps", str(k + 3), "--save-every", "100000") == 0
+    got, want = losses(tmp_path / "r"), losses(tmp_path / "full")
+    np.testing.assert_allclose([got[s] for s in range(1, k + 4)], [want[s] for s in range(1, k + 4)], rtol=1e-6)
+
+
+def test_kill_9_at_random_points_never_loses_the_last_checkpoint(tmp_path, cache):
+    rng = np.random.default_rng(0)
+    out = tmp_path / "r"
+    assert run(out, cache, "--steps", "1", "--save-every", "1") == 0  # a first checkpoint
+    for _ in range(3):
+        proc = start(out, cache, "--steps", "100000", "--resume", "--save-every", "1")
+        wait_for_step(proc, 1)
+        time.sleep(rng.uniform(0.0, 0.5))  # saves happen every step: often mid-write
+        proc.kill()
+        proc.wait()
+        meta, _ = train.load_checkpoint(str(out / "checkpoint.npz"))  # loadable, whatever the timing
+        assert meta["step"] >= 1
+    k = train.load_checkpoint(str(out / "checkpoint.npz"))[0]["step"]
+    assert run(out, cache, "--steps", str(k + 2), "--resume") == 0
+    assert run(tmp_path / "full", cache, "--steps", str(k + 2), "--save-every", "100000") == 0
+    got, want = losses(out), losses(tmp_path / "full")
+    np.testing.assert_allclose([got[s] for s in range(1, k + 3)], [want[s] for s in range(1, k + 3)], rtol=1e-6)
+
+
+def test_a_non_finite_loss_stops_training_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, cache, capsys):
+    out = tmp_path / "r"
+    assert run(out, cache, "--steps", "2") == 0
+    # Weights near the float32 limit: the next forward pass overflows.
+    meta, arrays = train.load_checkpoint(str(out / "checkpoint.npz"))
+    arrays = {k: (v * 1e37 if k.startswith("params") and k.endswith("['wq']") else v) for k, v in arrays.items()}
+    np.savez(out / "checkpoint.npz", __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    before = (out / "checkpoint.npz").read_bytes()
+    assert run(out, cache, "--steps", "5", "--resume", "--save-every", "1") == 3
+    err = capsys.readouterr().err
+    assert "non-finite at step 3;" in err and "is kept" in err and err.count("\n") == 1
+    assert (out / "checkpoint.npz").read_bytes() == before

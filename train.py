@@ -154,7 +154,8 @@ def make_train_step(config):
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = opt_update(grads, opt_state, params)
         params = jax.tree.map(jnp.add, params, updates)
-        metrics = {"loss": total / n, "tokens": n}
+        finite = jnp.isfinite(total) & jnp.all(jnp.array([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+        metrics = {"loss": total / n, "tokens": n, "finite": finite}
         for i in config.active_memory_layers:
             metrics[f"gate_{i}"] = jnp.mean(jax.nn.sigmoid(params["layers"][i]["gate_bias"]))
         if config.active_memory_layers:
@@ -272,7 +273,9 @@ def build_parser():
                    help="Transformer-XL cache of the previous segment")
     p.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, default=None,
                    help="exact top-k instead of the binned approximate top-k")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation and matmul precision")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation and matmul precision "
+                   "(params, softmax statistics and the loss stay float32)")
+    p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache")
     p.add_argument("--lr", type=float, help="base learning rate (1.0 in the paper)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps before square-root decay")
     p.add_argument("--seed", type=int, help="seed for init, data order and split")
@@ -281,7 +284,7 @@ def build_parser():
     p.add_argument("--init-from", metavar="RUN_DIR", help="start from another run's weights (a different "
                    "memory size, or a run without memory: new parameters start fresh)")
     p.add_argument("--log-every", type=int, default=10, help="steps between printed lines")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0 = only at the end)")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0 = only at the end)")
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--eval-docs", type=int, default=4, help="validation documents to evaluate")
     p.add_argument("--eval-tokens", type=int, default=4096, help="tokens evaluated from each validation document's start")
@@ -422,9 +425,9 @@ def train(args):
             feed = place({k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
             new = train_step(params, opt_state, state, feed)
             metrics = jax.device_get(new[3])
-            if not np.isfinite(metrics["loss"]):
-                print(f"error: the loss is {metrics['loss']} at step {step + 1}; stopped, the last checkpoint "
-                      f"({ckpt_path}) is kept.", file=sys.stderr)
+            if not metrics["finite"]:  # a non-finite loss, or weights that overflowed in the update
+                print(f"error: the loss or the weights became non-finite at step {step + 1}; stopped, the last "
+                      f"checkpoint ({ckpt_path}) is kept.", file=sys.stderr)
                 return 3
             params, opt_state, state = new[:3]
             step += 1

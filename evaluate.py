@@ -1,0 +1,289 @@
+"""Does the memory help, and what does it retrieve? (Sec. 4.3-4.6, Table 1, Appendix B)
+
+  python evaluate.py perplexity RUN_DIR [--memory-size M] [--json FILE]
+  python evaluate.py compare RUN_DIR --memory-sizes A,B [--doc N] --csv FILE [--plot FILE.png]
+  python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
+  python evaluate.py table [--data ...] [--steps N] [--out-root DIR]
+
+Every perplexity of a memory model comes with its memory-off ablation: the same weights with
+every gate forced to 0 (local attention only). Memory that is present but unused looks
+like memory that works; the ablation tells them apart.
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import data
+import memorizing_transformer as mt
+import train
+
+
+class UsageError(train.UsageError):
+    pass
+
+
+# ----------------------------------------------------------------------------- loading a run
+def load_run(run_dir, memory_size=None):
+    """(config, params, tokenizer, saved args) of a run; memory_size overrides the config's
+    (Sec. 4.4: a model trained with a small memory evaluated with a larger one)."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"{run_dir} is not a run directory (no config.json).")
+    with open(path) as f:
+        saved = json.load(f)
+    config = mt.Config(**{**saved["config"], "memory_layers": tuple(saved["config"]["memory_layers"])})
+    if memory_size is not None:
+        try:
+            config = config.replace(memory_size=memory_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    ckpt = os.path.join(run_dir, "checkpoint.npz")
+    _, arrays = train.load_checkpoint(ckpt)
+    params = train._fill(mt.init_params(config, jax.random.PRNGKey(0)), arrays, "params", ckpt,
+                         strict=bool(config.active_memory_layers) == any("gate_bias" in k for k in arrays))
+    sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))
+    return config, params, sp, saved["args"]
+
+
+def validation_docs(args, run_args, sp, config):
+    """The run's validation documents (the same split as training), as token arrays."""
+    source = args.data or run_args["data"]
+    fmt = args.data_format or (run_args["data_format"] if source == run_args["data"] else "auto")
+    docs = data.load_documents(source, fmt, seed=0, verbose=False)
+    _, valid = data.split_documents(docs, run_args["valid_fraction"], seed=0)
+    tokens, refs = data.tokenize(valid, sp)
+    for t in tokens:
+        mt.check_tokens(t, config.vocab_size)
+    return tokens, refs
+
+
+def per_token_loss(params, config, doc):
+    """Cross-entropy of every prediction of one document, from its start with a fresh memory:
+    a float array of len(doc) - 1, and the retrievals of each segment."""
+    step = _stream_step(train.step_config(config))
+    state = mt.init_state(config, 1)
+    losses, retrievals = [], []
+    for batch in data.SegmentBatches([doc], 1, config.segment_length, epochs=1):
+        state, ce, ret = step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
+        n = int(batch["mask"].sum())
+        losses.append(np.asarray(ce[0, :n]))
+        retrievals.append(jax.tree.map(np.asarray, ret))
+    return np.concatenate(losses), retrievals
+
+
+_STEPS = {}
+
+
+def _stream_step(config):
+    if config not in _STEPS:
+        def step(params, state, batch):
+            logits, state, ret = mt.forward(params, state, batch["tokens"], batch["reset"], config,
+                                            mask=batch["mask"], return_retrievals=True)
+            return state, mt.cross_entropy(logits, batch["targets"]), ret
+        _STEPS[config] = jax.jit(step)
+    return _STEPS[config]
+
+
+# ----------------------------------------------------------------------------- subcommands
+def cmd_perplexity(args):
+    config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
+    docs, _ = validation_docs(args, run_args, sp, config)
+    docs = [d[:args.eval_tokens + 1] for d in docs[:args.eval_docs]]
+    result = {"memory_size": config.memory_size, **train.evaluate(params, config, docs, config.batch_size)}
+    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {result['tokens']} tokens)"
+    if config.active_memory_layers:
+        off = train.evaluate(mt.memory_off(params), config, docs, config.batch_size)
+        result.update(loss_memory_off=off["loss"], perplexity_memory_off=off["perplexity"])
+        line += f" | memory off: {off['perplexity']:.3f}"
+    print(f"memory {config.memory_size}: {line}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _doc(args, run_args, sp, config):
+    docs, refs = validation_docs(args, run_args, sp, config)
+    if not 0 <= args.doc < len(docs):
+        raise UsageError(f"--doc {args.doc} is out of range: the validation set has {len(docs)} documents.")
+    doc = docs[args.doc][:args.max_tokens + 1] if args.max_tokens else docs[args.doc]
+    return doc, refs[args.doc][:len(doc)]
+
+
+def cmd_compare(args):
+    try:
+        a, b = (int(x) for x in args.memory_sizes.split(","))
+    except ValueError:
+        raise UsageError(f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}.") from None
+    config_a, params, sp, run_args = load_run(args.run_dir, a)
+    config_b, _, _, _ = load_run(args.run_dir, b)
+    doc, _ = _doc(args, run_args, sp, config_a)
+    ce_a, _ = per_token_loss(params, config_a, doc)
+    ce_b, _ = per_token_loss(params, config_b, doc)
+    delta = ce_a - ce_b  # Sec. 4.6: positive = the memory of size B helped
+    with open(args.csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta"])
+        for i, (t, x, y, d) in enumerate(zip(doc[1:], ce_a, ce_b, delta)):
+            w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}"])
+    print(f"memory {a} vs {b} on validation document {args.doc} ({len(delta)} tokens): mean delta "
+          f"{delta.mean():+.4f} nats, {np.mean(delta > 0):.1%} of tokens improved")
+    for i in np.argsort(-delta)[:10]:
+        print(f"  token {i + 1:6d} {sp.id_to_piece(int(doc[i + 1]))!r:>16}  delta {delta[i]:+.3f}")
+    if args.plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: no plot (the CSV and the summary are written).", file=sys.stderr)
+        else:
+            fig, ax = plt.subplots(figsize=(12, 3))
+            ax.bar(np.arange(1, len(delta) + 1), delta, width=1.0)
+            ax.set_xlabel("token index")
+            ax.set_ylabel(f"CE(M={a}) - CE(M={b})")
+            fig.tight_layout()
+            fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+def slot_position(slot, segment, config):
+    """The document position held by memory `slot` while segment `segment` is processed: segment
+    i of a document is written at slots (i * T) mod M onwards, and the memory holds the latest."""
+    T, per = config.segment_length, config.memory_size // config.segment_length
+    i = segment - 1 - ((segment - 1 - slot // T) % per)
+    return i * T + slot % T
+
+
+def cmd_inspect(args):
+    config, params, sp, run_args = load_run(args.run_dir)
+    if not config.active_memory_layers:
+        raise UsageError(f"{args.run_dir} has no memory to inspect.")
+    doc, _ = _doc(args, run_args, sp, config)
+    ce_on, retrievals = per_token_loss(params, config, doc)
+    ce_off, _ = per_token_loss(mt.memory_off(params), config, doc)
+    gain = ce_off - ce_on
+    T = config.segment_length
+    context = lambda a, b: sp.decode([int(t) for t in doc[max(a, 0):b]]).replace("\n", "\\n")[-60:]
+    print(f"validation document {args.doc}: {len(gain)} tokens; memory lowers the loss by {gain.mean():+.4f} nats "
+          f"on average (memory off - memory on); the {args.top} largest gains:")
+    for i in np.argsort(-gain)[:args.top]:
+        seg, t = divmod(int(i), T)
+        r = retrievals[seg][0]  # the first memory layer
+        w = r["weights"][0, :, t]  # [H, K]
+        h = int(np.argmax(w.max(-1)))
+        print(f"\nquery {i}: input {sp.id_to_piece(int(doc[i]))!r} -> target {sp.id_to_piece(int(doc[i + 1]))!r} "
+              f"gain {gain[i]:+.3f} nats | context: {context(i - 40, i + 1)!r}")
+        for k in np.argsort(-w[h])[:5]:
+            if w[h, k] <= 0:
+                break
+            pos = slot_position(int(r["slots"][0, h, t, k]), seg, config)
+            print(f"   head {h} weight {w[h, k]:.3f} memory {pos:6d}: {sp.id_to_piece(int(doc[pos]))!r:>14} "
+                  f"| {context(pos - 30, pos + 10)!r}")
+    return 0
+
+
+TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, XL cache)
+    ("no memory", 0, False), ("XL cache", 0, True), ("memory 4T", 4, False),
+    ("memory 4T + XL", 4, True), ("memory 16T + XL", 16, True)]
+
+
+def cmd_table(args):
+    rows = []
+    preset = mt.PRESETS["tiny"]
+    names = [n for n, _, _ in TABLE_ROWS]
+    wanted = [x.strip() for x in args.rows.split(",")] if args.rows else names
+    if set(wanted) - set(names):
+        raise UsageError(f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}.")
+    T = args.segment_length or preset.segment_length
+    for name, segments, xl in [r for r in TABLE_ROWS if r[0] in wanted]:
+        out = os.path.join(args.out_root, name.replace(" ", "_").replace("+", "plus"))
+        flags = ["--data", args.data, "--steps", str(args.steps), "--segment-length", str(T),
+                 "--memory-size", str(segments * T), "--xl-cache" if xl else "--no-xl-cache", "--out", out,
+                 "--eval-every", "0", "--batch-size", str(args.batch_size or preset.batch_size)]
+        if args.num_neighbors:
+            flags += ["--num-neighbors", str(args.num_neighbors)]
+        if not os.path.isfile(os.path.join(out, "eval.json")):
+            print(f"training {name} -> {out}", flush=True)
+            code = train.main(flags)
+            if code:
+                return code
+        with open(os.path.join(out, "eval.json")) as f:
+            ev = json.load(f)
+        rows.append({"name": name, "memory_size": segments * T, "xl_cache": xl, "steps": ev["step"],
+                     "perplexity": ev["perplexity"], "perplexity_memory_off": ev.get("perplexity_memory_off"),
+                     "tokens": ev["tokens"], "run": out})
+    print(f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>9} {'memory off':>11}")
+    for r in rows:
+        off = "-" if r["perplexity_memory_off"] is None else f"{r['perplexity_memory_off']:.3f}"
+        print(f"{r['name']:<18} {T:>7} {r['memory_size'] or 'None':>7} {T if r['xl_cache'] else 'None':>5} "
+              f"{r['perplexity']:>9.3f} {off:>11}")
+    with open(os.path.join(args.out_root, "table.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_run(name, help):
+        s = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        s.add_argument("run_dir", help="a train.py output directory")
+        s.add_argument("--data", help="corpus (default: the run's own)")
+        s.add_argument("--data-format", help="as in train.py (default: the run's own)")
+        return s
+
+    s = with_run("perplexity", "validation perplexity, with and without memory")
+    s.add_argument("--memory-size", type=int, help="evaluate with this memory size (default: the run's)")
+    s.add_argument("--eval-docs", type=int, default=4, help="validation documents")
+    s.add_argument("--eval-tokens", type=int, default=4096, help="tokens from each document's start")
+    s.add_argument("--json", help="write the result here")
+    s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
+    s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")
+    s.add_argument("--doc", type=int, default=0, help="validation document index")
+    s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument("--csv", required=True, help="per-token output")
+    s.add_argument("--plot", help="a PNG of delta per token (needs matplotlib)")
+    s = with_run("inspect", "what the memory retrieves for the tokens it helps most (Tables 6-8)")
+    s.add_argument("--doc", type=int, default=0, help="validation document index")
+    s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument("--top", type=int, default=10, help="tokens to show")
+    s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--data", default="stdlib", help="corpus for every row")
+    s.add_argument("--steps", type=int, default=1200, help="training steps per row")
+    s.add_argument("--segment-length", type=int, help="T (tiny preset's if unset)")
+    s.add_argument("--batch-size", type=int, help="rows (tiny preset's if unset)")
+    s.add_argument("--num-neighbors", type=int, help="k (tiny preset's if unset)")
+    s.add_argument("--rows", help="comma-separated subset of the rows: " + ", ".join(n for n, _, _ in TABLE_ROWS))
+    s.add_argument("--out-root", default="runs/table", help="where the runs go; existing runs are reused")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    for name in ("eval_docs", "eval_tokens", "top", "steps"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) <= 0:
+            print(f"error: --{name.replace('_', '-')} must be positive.", file=sys.stderr)
+            return 2
+    try:
+        return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect,
+                "table": cmd_table}[args.command](args)
+    except (train.UsageError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""evaluate.py: the four subcommands on a tiny model trained for a few steps."""
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+import evaluate
+import memorizing_transformer as mt
+import train
+
+FAST = ["--data", "synthetic", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
+        "--num-neighbors", "8", "--eval-docs", "2", "--eval-tokens", "64", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    cache = str(tmp_path_factory.mktemp("cache"))
+    assert train.main(FAST + ["--steps", "3", "--out", str(out), "--cache-dir", cache]) == 0
+    return str(out)
+
+
+def test_perplexity_reports_memory_on_and_off_and_a_larger_memory(run_dir, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert evaluate.main(["perplexity", run_dir, "--eval-docs", "1", "--eval-tokens", "96", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["memory_size"] == 64 and r["tokens"] == 96
+    assert r["perplexity"] == pytest.approx(math.exp(r["loss"])) and "perplexity_memory_off" in r
+    assert "memory off" in capsys.readouterr().out
+    assert evaluate.main(["perplexity", run_dir, "--memory-size", "256", "--eval-docs", "1", "--eval-tokens", "96",
+                          "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["memory_size"] == 256
+    assert evaluate.main(["perplexity", run_dir, "--memory-size", "100"]) == 2
+    assert "multiple of segment_length" in capsys.readouterr().err
+
+
+def test_perplexity_matches_the_training_runs_final_evaluation(run_dir, tmp_path):
+    out = tmp_path / "p.json"
+    assert evaluate.main(["perplexity", run_dir, "--eval-docs", "2", "--eval-tokens", "64", "--json", str(out)]) == 0
+    with open(f"{run_dir}/eval.json") as f:
+        ev = json.load(f)
+    r = json.loads(out.read_text())
+    assert r["tokens"] == ev["tokens"]
+    assert r["perplexity"] == pytest.approx(ev["perplexity"], rel=1e-5)
+    assert r["perplexity_memory_off"] == pytest.approx(ev["perplexity_memory_off"], rel=1e-5)
+
+
+def test_compare_with_equal_memory_sizes_gives_zero_delta_everywhere(run_dir, tmp_path, capsys):
+    path = tmp_path / "d.csv"
+    assert evaluate.main(["compare", run_dir, "--memory-sizes", "64,64", "--max-tokens", "200", "--csv", str(path)]) == 0
+    rows = list(csv.DictReader(open(path)))
+    assert len(rows) == 200 and [int(r["index"]) for r in rows] == list(range(1, 201))
+    assert all(float(r["delta"]) == 0.0 for r in rows)
+    assert "0.0% of tokens improved" in capsys.readouterr().out
+    assert evaluate.main(["compare", run_dir, "--memory-sizes", "32,128", "--max-tokens", "200", "--csv", str(path)]) == 0
+    rows = list(csv.DictReader(open(path)))
+    deltas = np.array([float(r["delta"]) for r in rows])
+    np.testing.assert_allclose(deltas, [float(r["ce_a"]) - float(r["ce_b"]) for r in rows], atol=2e-6)
+    # Until the 32-slot memory starts dropping entries (the third segment), both hold the same.
+    np.testing.assert_allclose(deltas[:64], 0.0, atol=1e-5)
+    assert np.any(np.abs(deltas[64:]) > 1e-4)
+
+
+def test_inspect_prints_the_retrieval_table(run_dir, capsys):
+    assert evaluate.main(["inspect", run_dir, "--top", "3", "--max-tokens", "200"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\nquery ") == 3 and "memory" in out and "head" in out
+
+
+def test_slot_positions_follow_the_ring_buffer_layout():
+    cfg = mt.Config(segment_length=4, memory_size=12, num_neighbors=4, memory_layers=(0,), num_layers=1,
+                    d_model=8, num_heads=1, head_dim=8, d_ff=8, vocab_size=8)
+    # While segment 5 is processed, the memory holds segments 2, 3, 4 at slot blocks 2, 0, 1.
+    assert [evaluate.slot_position(s, 5, cfg) for s in (0, 3, 4, 7, 8, 11)] == [12, 15, 16, 19, 8, 11]
+
+
+def test_table_trains_the_paper_rows_and_writes_table_json(tmp_path, capsys):
+    root = tmp_path / "table"
+    # Two of the five rows keep the suite fast; the other three differ only in their flags.
+    flags = ["table", "--data", "synthetic", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
+             "--num-neighbors", "8", "--out-root", str(root), "--rows", "XL cache,memory 4T + XL"]
+    assert evaluate.main(flags) == 0
+    rows = json.loads((root / "table.json").read_text())
+    assert [r["name"] for r in rows] == ["XL cache", "memory 4T + XL"]
+    assert [(r["memory_size"], r["xl_cache"]) for r in rows] == [(0, True), (128, True)]
+    assert all(r["steps"] == 2 and r["perplexity"] > 1 for r in rows)
+    assert [r["perplexity_memory_off"] is None for r in rows] == [True, False]
+    assert "memory off" in capsys.readouterr().out
+    assert evaluate.main(flags) == 0  # reuses the runs
+    assert "training" not in capsys.readouterr().out
+
+
+def test_bad_input_gets_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
+    assert evaluate.main(["perplexity", str(tmp_path / "nothing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert evaluate.main(["inspect", run_dir, "--doc", "99"]) == 2
+    assert "out of range" in capsys.readouterr().err
+    assert evaluate.main(["compare", run_dir, "--memory-sizes", "64", "--csv", str(tmp_path / "x.csv")]) == 2
+    assert "A,B" in capsys.readouterr().err
+    assert evaluate.main(["table", "--rows", "huge memory"]) == 2
+    assert "unknown --rows" in capsys.readouterr().err
