@@ -198,3 +198,52 @@ def test_stdlib_corpus_is_found_and_each_package_is_one_document():
     ids = {d.id for d in docs}
     assert {"json", "email", "asyncio"} <= ids
     assert "def dumps(" in next(d for d in docs if d.id == "json").text
+
+
+# ----------------------------------------------------------------------------- fuzzing
+import jax  # noqa: E402
+import memorizing_transformer as mt  # noqa: E402
+
+FUZZ = mt.Config(vocab_size=400, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=16,
+                 memory_layers=(1,), memory_size=32, num_neighbors=8, batch_size=2)
+FUZZ_PARAMS = mt.init_params(FUZZ, jax.random.PRNGKey(0))
+FUZZ_FORWARD = jax.jit(mt.forward, static_argnums=4)
+
+
+@pytest.fixture(scope="module")
+def fuzz_tokenizer(tmp_path_factory):
+    sp, _ = data.get_tokenizer(data.synthetic_documents(num_docs=4, length=100), 400,
+                               str(tmp_path_factory.mktemp("tok")), "fuzz")
+    return sp
+
+
+file_contents = st.one_of(
+    st.binary(max_size=300),
+    st.text(max_size=300),
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=300).map(lambda s: s.encode("utf-8")),
+    st.integers(0, 20000).map(lambda n: b"x" * n),  # a huge line, no newline
+    st.just(b""),
+)
+
+
+@settings(deadline=None, max_examples=25, derandomize=True)
+@given(files=st.lists(file_contents, min_size=1, max_size=5), fmt=st.sampled_from(["repo", "text"]))
+def test_fuzzed_corpora_either_load_and_run_through_the_model_or_fail_clearly(tmp_path_factory, fuzz_tokenizer, files, fmt):
+    root = tmp_path_factory.mktemp("fuzz")
+    for i, content in enumerate(files):
+        name = f"doc{i}.txt" if fmt == "text" else f"d{i % 2}/f{i}.py"
+        os.makedirs(os.path.dirname(root / name), exist_ok=True)
+        (root / name).write_bytes(content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass"))
+    try:
+        docs = data.load_documents(str(root), fmt, verbose=False)
+        tokens, _ = data.tokenize(docs, fuzz_tokenizer)
+        batches = data.SegmentBatches(tokens, 2, FUZZ.segment_length, epochs=1)
+    except data.DataError as e:
+        assert str(e).endswith(".") and "\n" not in str(e)
+        return
+    for d, t in zip(docs, tokens):
+        assert fuzz_tokenizer.decode(t.tolist()) == d.text  # nothing lost on the way
+    state = mt.init_state(FUZZ, 2)
+    for batch in batches:
+        logits, state = FUZZ_FORWARD(FUZZ_PARAMS, state, batch["tokens"], batch["reset"], FUZZ, batch["mask"])
+        assert np.all(np.isfinite(np.asarray(logits)))
