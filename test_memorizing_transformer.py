@@ -3,6 +3,7 @@
 References are independent of the model code: dense softmax attention in numpy float64,
 explicit loops, and a one-shot numpy model over the whole document.
 """
+import functools
 import math
 
 import jax
@@ -278,6 +279,15 @@ def test_memory_streaming_equals_dense_attention_to_earlier_segments(params, gat
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
 
+def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments():
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, memory_layers=(0, 1))
+    params = randomize(mt.init_params(cfg, jax.random.PRNGKey(5)), 5)
+    tokens = random_tokens(2, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
+    got, state = stream(params, tokens, cfg)
+    assert state.mem_k.shape[1] == 2
+    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
+
+
 @SETTINGS
 @given(pos=st.integers(0, 4 * SMALL.segment_length - 1), seed=st.integers(0, 100))
 def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed):
@@ -428,3 +438,51 @@ def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
     assert np.all(np.isfinite(got))
     # bf16 keeps 8 bits of mantissa: logits agree to a few hundredths of their spread.
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 0.1 * np.std(np.asarray(want)) + 0.05
+
+
+@jax.jit
+@functools.partial(jax.value_and_grad, has_aux=True)
+def loss_and_grad(params, state, tokens, reset, mask):
+    logits, _ = mt.forward(params, state, tokens, reset, SMALL, mask=mask)
+    return mt.loss(logits, tokens, mask), logits
+
+
+@SETTINGS
+@given(history=st.integers(0, 3), reset=st.lists(st.booleans(), min_size=2, max_size=2),
+       valid=st.lists(st.integers(0, SMALL.segment_length), min_size=2, max_size=2))
+def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, reset, valid):
+    """A document's first token with an empty memory and cache, all-padding segments, any fill."""
+    cfg = SMALL
+    state = mt.init_state(cfg, 2)
+    if history:
+        _, state = stream(params, random_tokens(history, cfg, 2, history), cfg)
+    mask = jnp.arange(cfg.segment_length)[None, :] < jnp.asarray(valid)[:, None]  # [B, T]
+    seg = random_tokens(11, cfg, 2, 1)
+
+    (value, logits), grads = loss_and_grad(params, state, seg, jnp.asarray(reset), mask)
+    assert np.isfinite(value) and np.all(np.isfinite(logits))
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retrievals(params):
+    """Ethics section: the memory is cleared at each document. A then B in one row, or B alone."""
+    cfg = SMALL
+    T = cfg.segment_length
+    secret, doc = random_tokens(20, cfg, 2, 5), random_tokens(21, cfg, 2, 3)
+
+    def run_b(state):
+        out = []
+        for n in range(3):
+            logits, state, (r,) = forward(params, state, doc[:, n * T:(n + 1) * T], jnp.full((2,), n == 0), cfg,
+                                          return_retrievals=True)
+            out.append((np.asarray(logits), np.asarray(r["slots"]), np.asarray(r["weights"])))
+        return out
+
+    _, after_secret = stream(params, secret, cfg)
+    with_a, without_a = run_b(after_secret), run_b(mt.init_state(cfg, 2))
+    for n, ((la, sa, wa), (lb, sb, wb)) in enumerate(zip(with_a, without_a)):
+        np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(wa, wb, atol=1e-6)
+        # Every slot with weight holds an entry of B: B's first n segments fill slots [0, n T).
+        assert np.all(np.where(wa > 0, sa < n * T, True))
+        np.testing.assert_array_equal(np.where(wa > 0, sa, -1), np.where(wb > 0, sb, -1))

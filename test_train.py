@@ -301,3 +301,24 @@ def test_a_non_finite_loss_stops_training_naming_the_step_and_keeps_the_last_che
     err = capsys.readouterr().err
     assert "non-finite at step 3;" in err and "is kept" in err and err.count("\n") == 1
     assert (out / "checkpoint.npz").read_bytes() == before
+
+
+def test_gradient_accumulation_gives_the_same_step_as_one_big_batch():
+    cfg = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=8,
+                    memory_layers=(1,), memory_size=16, num_neighbors=4, batch_size=4, warmup_steps=1)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, (4, 8)).astype(np.int32)
+    mask = rng.random((4, 8)) < 0.8
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": mask, "reset": np.ones(4, bool)}
+    results = []
+    for accum in (1, 2):
+        c = cfg.replace(grad_accum=accum)
+        params = mt.init_params(c, jax.random.PRNGKey(0))
+        out = train.make_train_step(c)(params, train.make_optimizer(c)[0](params), mt.init_state(c, 4), batch)
+        results.append(jax.device_get(out))
+    (p1, _, s1, m1), (p2, _, s2, m2) = results
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5) and m1["tokens"] == m2["tokens"] == mask.sum()
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(s1, s2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
