@@ -3,6 +3,7 @@
   python evaluate.py perplexity RUN_DIR [--memory-size M] [--json FILE]
   python evaluate.py compare RUN_DIR --memory-sizes A,B [--doc N] --csv FILE [--plot FILE.png]
   python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
+  python evaluate.py recall RUN_DIR [--memory-size M]
   python evaluate.py table [--data ...] [--steps N] [--out-root DIR]
 
 Every perplexity of a memory model comes with its memory-off ablation: the same weights with
@@ -190,6 +191,36 @@ def cmd_inspect(args):
     return 0
 
 
+def cmd_recall(args):
+    """Recall of the approximate top-k on the real queries and keys of a trained model: the same
+    document streamed with approximate and exact top-k (the memory's contents do not depend on
+    which: the memory layer's keys come from the layers below it)."""
+    config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
+    if not config.active_memory_layers:
+        raise UsageError(f"{args.run_dir} has no memory.")
+    doc, _ = _doc(args, run_args, sp, config)
+    _, approx = per_token_loss(params, config.replace(exact_topk=False), doc)
+    _, exact = per_token_loss(params, config.replace(exact_topk=True), doc)
+    K, T = config.num_neighbors, config.segment_length
+    hits, total = 0, 0
+    for seg, (ra, re) in enumerate(zip(approx, exact)):
+        if seg * T < K:  # fewer than k entries: both return every valid entry
+            continue
+        for la, le in zip(ra, re):  # memory layers
+            a, b = la["slots"][0].reshape(-1, K), le["slots"][0].reshape(-1, K)  # [H * T, K]
+            hits += sum(len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist()))
+            total += b.size
+    bins = mt.num_topk_bins(K, config.memory_size, config.topk_recall_target)
+    result = {"memory_size": config.memory_size, "k": K, "bins": bins, "recall": hits / max(total, 1),
+              "expected_random": (bins / K) * (1 - (1 - 1 / bins) ** K), "retrievals": total // K}
+    print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
+          f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, XL cache)
     ("no memory", 0, False), ("XL cache", 0, True), ("memory 4T", 4, False),
     ("memory 4T + XL", 4, True), ("memory 16T + XL", 16, True)]
@@ -256,6 +287,11 @@ def build_parser():
     s.add_argument("--doc", type=int, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--top", type=int, default=10, help="tokens to show")
+    s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
+    s.add_argument("--memory-size", type=int, help="evaluate with this memory size (default: the run's)")
+    s.add_argument("--doc", type=int, default=0, help="validation document index")
+    s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument("--json", help="write the result here")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--data", default="stdlib", help="corpus for every row")
@@ -276,7 +312,7 @@ def main(argv=None):
             return 2
     try:
         return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect,
-                "table": cmd_table}[args.command](args)
+                "recall": cmd_recall, "table": cmd_table}[args.command](args)
     except (train.UsageError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

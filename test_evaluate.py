@@ -101,3 +101,11 @@ def test_bad_input_gets_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
     assert "A,B" in capsys.readouterr().err
     assert evaluate.main(["table", "--rows", "huge memory"]) == 2
     assert "unknown --rows" in capsys.readouterr().err
+
+
+def test_recall_on_real_keys_of_a_trained_model_is_high_but_below_one_when_binned(run_dir, tmp_path):
+    out = tmp_path / "r.json"
+    assert evaluate.main(["recall", run_dir, "--memory-size", "512", "--max-tokens", "600", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["bins"] == 128 and r["retrievals"] > 0  # k = 8: 128 bins of 4 slots
+    assert 0.8 <= r["recall"] < 1.0
