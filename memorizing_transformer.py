@@ -412,8 +412,10 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     B, T = tokens.shape
     if T != c.segment_length:
         raise ValueError(f"tokens have {T} positions but segment_length is {c.segment_length}.")
-    if not isinstance(tokens, jax.core.Tracer):
-        check_tokens(tokens, c.vocab_size)
+    try:  # outside jit; under jit the training loop checks each batch on the host
+        check_tokens(np.asarray(tokens), c.vocab_size)
+    except jax.errors.TracerArrayConversionError:
+        pass
     dt = jnp.dtype(c.dtype)
     mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     keep = ~reset.astype(bool)  # [B]
