@@ -9,9 +9,7 @@ import pytest
 import evaluate
 import memorizing_transformer as mt
 import train
-
-FAST = ["--data", "synthetic", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
-        "--num-neighbors", "8", "--eval-docs", "2", "--eval-tokens", "64", "--log-every", "1"]
+from test_train import FAST  # the same small runs, so compiled steps are shared
 
 
 @pytest.fixture(scope="module")
