@@ -95,9 +95,16 @@ def _stream_step(config):
 # ----------------------------------------------------------------------------- subcommands
 def cmd_perplexity(args):
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
-    docs, _ = validation_docs(args, run_args, sp, config)
+    docs, refs = validation_docs(args, run_args, sp, config)
     docs = [d[:args.eval_tokens + 1] for d in docs[:args.eval_docs]]
+    refs = [r[1:args.eval_tokens + 1] for r in refs[:args.eval_docs]]  # r[i + 1]: is target i a reference?
     result = {"memory_size": config.memory_size, **train.evaluate(params, config, docs, config.batch_size)}
+    if any(r.any() for r in refs):  # synthetic data: the loss on the referenced values alone
+        for name, p in [("", params)] + ([("_memory_off", mt.memory_off(params))] if config.active_memory_layers else []):
+            ce = np.concatenate([per_token_loss(p, config, d)[0][r] for d, r in zip(docs, refs)])
+            result[f"reference_loss{name}"] = float(ce.mean())
+        print(f"reference tokens: loss {result['reference_loss']:.4f}" + (
+            f" (memory off: {result['reference_loss_memory_off']:.4f})" if config.active_memory_layers else ""))
     line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {result['tokens']} tokens)"
     if config.active_memory_layers:
         off = train.evaluate(mt.memory_off(params), config, docs, config.batch_size)
@@ -306,7 +313,18 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    for name in ("eval_docs", "eval_tokens", "top", "steps"):
+    for name in ("json", "csv", "plot"):
+        path = getattr(args, name, None)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            print(f"error: cannot write --{name} {path}: its directory does not exist.", file=sys.stderr)
+            return 2
+    for name in ("eval_docs", "eval_tokens", "top", "steps", "max_tokens", "memory_size", "batch_size",
+                 "segment_length", "num_neighbors"):
+        if name in ("max_tokens", "memory_size") and getattr(args, name, None) is not None and getattr(args, name) < 0:
+            print(f"error: --{name.replace('_', '-')} must not be negative.", file=sys.stderr)
+            return 2
+        if name in ("max_tokens", "memory_size"):
+            continue
         if getattr(args, name, 1) is not None and getattr(args, name, 1) <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive.", file=sys.stderr)
             return 2

@@ -26,6 +26,8 @@ def test_perplexity_reports_memory_on_and_off_and_a_larger_memory(run_dir, tmp_p
     r = json.loads(out.read_text())
     assert r["memory_size"] == 64 and r["tokens"] == 96
     assert r["perplexity"] == pytest.approx(math.exp(r["loss"])) and "perplexity_memory_off" in r
+    # Synthetic data marks the referenced values: their loss is reported apart, on and off.
+    assert r["reference_loss"] > 0 and r["reference_loss_memory_off"] > 0
     assert "memory off" in capsys.readouterr().out
     assert evaluate.main(["perplexity", run_dir, "--memory-size", "256", "--eval-docs", "1", "--eval-tokens", "96",
                           "--json", str(out)]) == 0
@@ -107,3 +109,28 @@ def test_recall_on_real_keys_of_a_trained_model_is_high_but_below_one_when_binne
     r = json.loads(out.read_text())
     assert r["bins"] == 128 and r["retrievals"] > 0  # k = 8: 128 bins of 4 slots
     assert 0.8 <= r["recall"] < 1.0
+
+
+def test_broken_runs_and_bad_paths_get_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    ckpt = broken / "checkpoint.npz"
+    good = ckpt.read_bytes()
+    ckpt.write_bytes(good[:1000])
+    cases = [
+        (["perplexity", str(broken)], "truncated or corrupt"),
+        (["perplexity", run_dir, "--json", str(tmp_path / "no" / "dir.json")], "cannot write"),
+        (["perplexity", run_dir, "--memory-size", "-32"], "must not be negative"),
+        (["perplexity", run_dir, "--eval-docs", "0"], "must be positive"),
+        (["inspect", run_dir, "--max-tokens", "-1"], "must not be negative"),
+        (["perplexity", run_dir, "--data", str(tmp_path / "missing")], "does not exist"),
+    ]
+    for argv, message in cases:
+        assert evaluate.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    ckpt.write_bytes(good)
+    (broken / "tokenizer.model").write_text("not a model")
+    assert evaluate.main(["perplexity", str(broken)]) == 2
+    assert "not a SentencePiece model" in capsys.readouterr().err
