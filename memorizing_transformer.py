@@ -333,7 +333,7 @@ def memory_search(q, mem_k, mem_valid, scale, config):
         vc = jax.lax.dynamic_slice_in_dim(mem_valid, i * chunk, chunk, axis=1)  # [B, chunk]
         s = jnp.einsum("bhtd,bhmd->bhtm", qs, kc.astype(qs.dtype),
                        preferred_element_type=jnp.float32)  # [B, H, T, chunk]
-        s = jnp.where(vc[:, None, None, :], s, NEG_INF)
+        s = jnp.where(vc[:, None, None, :], s, NEG_INF)  # [B, H, T, chunk]
         if bin_size is None:
             vals, idx = jax.lax.top_k(s, min(K, chunk))  # [B, H, T, K]
         else:
@@ -342,7 +342,7 @@ def memory_search(q, mem_k, mem_valid, scale, config):
 
     _, (vals, idx) = jax.lax.scan(candidates, None, jnp.arange(n_chunks))  # [n, B, H, T, w]
     vals = jnp.moveaxis(vals, 0, 3).reshape(B, H, q.shape[1], -1)  # [B, H, T, n * w]
-    idx = jnp.moveaxis(idx, 0, 3).reshape(B, H, q.shape[1], -1)
+    idx = jnp.moveaxis(idx, 0, 3).reshape(B, H, q.shape[1], -1)  # [B, H, T, n * w]
     top, pos = jax.lax.top_k(vals, K)  # [B, H, T, K]
     return top, jnp.take_along_axis(idx, pos, axis=-1)
 
@@ -355,7 +355,7 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config):
     slots [B, H, T, K] and weights [B, H, T, K]. Gradients reach q through the K retrieved
     keys only; the memory itself is constant.
     """
-    mem_k, mem_v = jax.lax.stop_gradient(mem_k), jax.lax.stop_gradient(mem_v)
+    mem_k, mem_v = jax.lax.stop_gradient(mem_k), jax.lax.stop_gradient(mem_v)  # [B, H, M, D]
     _, slots = memory_search(q, mem_k, mem_valid, scale, config)  # [B, H, T, K]
     take = jax.vmap(jax.vmap(lambda m, i: m[i]))  # per (b, h): [M, D], [T, K] -> [T, K, D]
     keys = take(mem_k, slots).astype(q.dtype)  # [B, H, T, K, D]
@@ -395,7 +395,7 @@ def commit_memory(state, reset):
     mem_k = write_memory(state.mem_k, state.pending_k, state.mem_pos, axis=2)  # [B, Lm, H, M, D]
     mem_v = write_memory(state.mem_v, state.pending_v, state.mem_pos, axis=2)
     mem_valid = write_memory(state.mem_valid, ok, state.mem_pos, axis=0) & keep[:, None]  # [B, M]
-    advanced = (state.mem_pos + ok.shape[1] * jnp.any(ok, axis=1)) % max(mem_valid.shape[1], 1)
+    advanced = (state.mem_pos + ok.shape[1] * jnp.any(ok, axis=1)) % max(mem_valid.shape[1], 1)  # [B]
     return mem_k, mem_v, mem_valid, jnp.where(keep, advanced, 0).astype(jnp.int32)
 
 
@@ -417,7 +417,7 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     except jax.errors.TracerArrayConversionError:
         pass
     dt = jnp.dtype(c.dtype)
-    mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
+    mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)  # [B, T]
     keep = ~reset.astype(bool)  # [B]
     # A document start clears the row's cache and memory: nothing crosses a document boundary.
     cache_valid = state.cache_valid & keep[:, None]  # [B, C]
@@ -434,7 +434,7 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         v = jnp.einsum("bte,ehd->bthd", h, p["wv"].astype(dt))  # [B, T, H, D]
         scale = p["qk_scale"]  # [H]
         # Transformer-XL: prepend the previous segment's keys and values; no gradient into them.
-        cache_k, cache_v = jax.lax.stop_gradient((state.cache_k[:, i], state.cache_v[:, i]))
+        cache_k, cache_v = jax.lax.stop_gradient((state.cache_k[:, i], state.cache_v[:, i]))  # [B, C, H, D]
         ks = jnp.concatenate([cache_k.astype(dt), k], axis=1)  # [B, S, H, D]
         vs = jnp.concatenate([cache_v.astype(dt), v], axis=1)  # [B, S, H, D]
         out = local_attention(q, ks, vs, key_valid, p["rel_bias"], scale, c)  # [B, T, H, D]
