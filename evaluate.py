@@ -34,12 +34,8 @@ class UsageError(train.UsageError):
 def load_run(run_dir, memory_size=None):
     """(config, params, tokenizer, saved args) of a run; memory_size overrides the config's
     (Sec. 4.4: a model trained with a small memory evaluated with a larger one)."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        raise UsageError(f"{run_dir} is not a run directory (no config.json).")
-    with open(path) as f:
-        saved = json.load(f)
-    config = mt.Config(**{**saved["config"], "memory_layers": tuple(saved["config"]["memory_layers"])})
+    saved = train.read_run_config(run_dir)
+    config = saved["config"]
     if memory_size is not None:
         try:
             config = config.replace(memory_size=memory_size)

@@ -204,6 +204,10 @@ def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
     assert "not a SentencePiece model" in capsys.readouterr().err
     assert run(tmp_path / "nothing", cache, "--resume") == 2
     assert "no run to resume" in capsys.readouterr().err
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "config.json").write_text("{not json")
+    assert run(tmp_path / "garbled", cache, "--resume") == 2
+    assert "not a valid run config" in capsys.readouterr().err
     (tmp_path / "blocked").write_text("a file where the output directory should be")
     assert run(tmp_path / "blocked" / "out", cache) == 2
     assert "cannot write" in capsys.readouterr().err

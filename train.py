@@ -227,6 +227,21 @@ def _fill(template, arrays, prefix, path, strict=True):
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
+def read_run_config(run_dir):
+    """A run's config.json as {"config": Config, "args": dict}; a broken file is a UsageError."""
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        fields = saved["config"]
+        saved["config"] = mt.Config(**{**fields, "memory_layers": tuple(fields["memory_layers"])})
+        return saved
+    except OSError:
+        raise UsageError(f"{run_dir} is not a run directory (no readable config.json).") from None
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{path} is not a valid run config.") from None
+
+
 def load_checkpoint(path):
     """(meta, arrays) of a checkpoint; a missing, truncated or corrupt file is a UsageError."""
     if not os.path.isfile(path):
@@ -338,9 +353,8 @@ def train(args):
     if args.resume:
         if not os.path.isfile(os.path.join(out, "config.json")):
             raise UsageError(f"there is no run to resume in {out} (no config.json).")
-        with open(os.path.join(out, "config.json")) as f:
-            saved = json.load(f)
-        config = mt.Config(**{**saved["config"], "memory_layers": tuple(saved["config"]["memory_layers"])})
+        saved = read_run_config(out)
+        config = saved["config"]
         if args.steps:
             config = config.replace(steps=args.steps)
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens"):
