@@ -12,6 +12,7 @@ like memory that works; the ablation tells them apart.
 """
 import argparse
 import csv
+import functools
 import json
 import math
 import os
@@ -44,7 +45,8 @@ def load_run(run_dir, memory_size=None):
     ckpt = os.path.join(run_dir, "checkpoint.npz")
     _, arrays = train.load_checkpoint(ckpt)
     params = train._fill(mt.init_params(config, jax.random.PRNGKey(0)), arrays, "params", ckpt,
-                         strict=bool(config.active_memory_layers) == any("gate_bias" in k for k in arrays))
+                         # a run trained without memory, evaluated with one, gets fresh gates (g = 0.5)
+                         strict=not config.active_memory_layers or any("gate_bias" in k for k in arrays))
     sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))
     return config, params, sp, saved["args"]
 
@@ -75,17 +77,14 @@ def per_token_loss(params, config, doc):
     return np.concatenate(losses), retrievals
 
 
-_STEPS = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _stream_step(config):
-    if config not in _STEPS:
-        def step(params, state, batch):
-            logits, state, ret = mt.forward(params, state, batch["tokens"], batch["reset"], config,
-                                            mask=batch["mask"], return_retrievals=True)
-            return state, mt.cross_entropy(logits, batch["targets"]), ret
-        _STEPS[config] = jax.jit(step)
-    return _STEPS[config]
+    """forward with retrievals and per-token cross-entropy, jitted once per config."""
+    def step(params, state, batch):
+        logits, state, ret = mt.forward(params, state, batch["tokens"], batch["reset"], config,
+                                        mask=batch["mask"], return_retrievals=True)
+        return state, mt.cross_entropy(logits, batch["targets"]), ret
+    return jax.jit(step)
 
 
 # ----------------------------------------------------------------------------- subcommands
@@ -314,14 +313,12 @@ def main(argv=None):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"error: cannot write --{name} {path}: its directory does not exist.", file=sys.stderr)
             return 2
-    for name in ("eval_docs", "eval_tokens", "top", "steps", "max_tokens", "memory_size", "batch_size",
-                 "segment_length", "num_neighbors"):
-        if name in ("max_tokens", "memory_size") and getattr(args, name, None) is not None and getattr(args, name) < 0:
+    for name in ("max_tokens", "memory_size"):  # 0 means "all" / "no memory"
+        if (getattr(args, name, None) or 0) < 0:
             print(f"error: --{name.replace('_', '-')} must not be negative.", file=sys.stderr)
             return 2
-        if name in ("max_tokens", "memory_size"):
-            continue
-        if getattr(args, name, 1) is not None and getattr(args, name, 1) <= 0:
+    for name in ("eval_docs", "eval_tokens", "top", "steps", "batch_size", "segment_length", "num_neighbors"):
+        if getattr(args, name, None) is not None and getattr(args, name) <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive.", file=sys.stderr)
             return 2
     try:
