@@ -199,40 +199,76 @@ def read_stdlib(seed=0, stats=None, group=25):
     return docs
 
 
-# Words for the synthetic filler: frequent enough that the tokenizer learns them whole.
-_FILLER = ("the of and to in is was for on that with as by at from it an be this are or "
-           "which one all were but not had have their has more its two first new been also "
-           "other some time into only may over such most after these than many").split()
+def _pseudo_words(n, seed, upper=False):
+    """n distinct two-syllable words (consonant-vowel pairs), e.g. "kamo" or "BEDU"."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = set()
+    while len(words) < n:
+        words.add("".join(rng.sample(syllables, 2)))
+    words = sorted(words)
+    return [w.upper() for w in words] if upper else words
 
 
-def synthetic_documents(num_docs=200, seed=0, num_names=24, length=600):
-    """Documents that only long-range memory predicts well.
+SYNTHETIC_NAMES = _pseudo_words(200, seed=1)
+SYNTHETIC_VALUES = _pseudo_words(200, seed=2, upper=True)
+_FILLER = ["-", "+", "*", "~"]
 
-    Each defines `num_names` random names once, as `let NAME = VALUE ;`, then mixes filler
-    sentences with references `use NAME = VALUE ;` to names defined earlier (near and far).
-    A value is three random capital letters, unpredictable except by recalling its definition;
-    the VALUE of a reference is marked in `parts` as a reference, so its loss can be
-    reported separately. `length` is the number of lines.
+
+def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segment_length=128):
+    """Documents that only long-range memory predicts well (Sec. 4.5's premise, in miniature).
+
+    Each document binds `num_names` names to values, both drawn per document from fixed pools
+    of 200 pseudo-words, and writes a binding as the line `NAME VALUE`. A name's first line
+    defines it; every later line with the same name repeats the value, and that VALUE is a
+    reference: marked in `parts`, so its loss can be reported on its own, and predictable
+    only by recalling an earlier line of the same document. Half of the names are referenced
+    densely (mostly within a segment: these teach a local copy circuit); the other half only
+    once their last line is more than 2 segments back (these need the memory). Short filler
+    lines (`- +`) sit in between. `length` is the approximate length in tokens, counting each
+    word, symbol and newline as one token (the tokenizer learns the words whole).
     """
     rng = random.Random(seed)
-    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     docs = []
     for d in range(num_docs):
-        names = {}
-        parts = []
-        for line in range(length):
-            if len(names) < num_names and (line % (length // num_names) == 0):
-                name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5))
-                value = "".join(rng.choice(letters) for _ in range(3))
-                names[name] = value
-                parts.append((f"let {name} = {value} ;\n", False))
-            elif names and rng.random() < 0.3:
-                name = rng.choice(sorted(names))
-                parts += [(f"use {name} = ", False), (names[name], True), (" ;\n", False)]
-            else:
-                parts.append((" ".join(rng.choices(_FILLER, k=rng.randint(4, 10))) + " .\n", False))
+        names = rng.sample(SYNTHETIC_NAMES, num_names)
+        values = rng.sample(SYNTHETIC_VALUES, num_names)
+        last = {}  # name index -> token position of its last line
+        parts, pos, defined = [], 0, 0
+        while pos < length:
+            r = rng.random()
+            i = None
+            if defined < num_names and (defined == 0 or r < 0.15):
+                i, defined = defined, defined + 1
+            elif r < 0.8:
+                far = [j for j in range(1, defined, 2) if pos - last[j] > 2 * segment_length + 8]
+                near = list(range(0, defined, 2))
+                i = rng.choice(far) if far and rng.random() < 0.4 else rng.choice(near) if near else None
+            if i is None:
+                words = rng.choices(_FILLER, k=rng.randint(1, 2))
+                parts.append((" ".join(words) + "\n", False))
+                pos += len(words) + 1
+                continue
+            is_ref = i in last
+            parts += [(names[i], False), (" " + values[i], is_ref), ("\n", False)]
+            last[i], pos = pos, pos + 3
         docs.append(Document(f"synthetic-{seed}-{d:05d}", "".join(t for t, _ in parts), tuple(parts)))
     return docs
+
+
+def reference_distances(tokens, is_reference):
+    """For each reference token, how many tokens back the same (previous token, token) pair
+    last occurred: how far a model must look to copy it. 0 for other tokens; -1 for a
+    reference whose pair never occurred before (a tokenization that split a word)."""
+    tokens = np.asarray(tokens)
+    dist = np.zeros(len(tokens), np.int64)
+    seen = {}
+    for i in range(1, len(tokens)):
+        pair = (int(tokens[i - 1]), int(tokens[i]))
+        if is_reference[i]:
+            dist[i] = i - seen[pair] if pair in seen else -1
+        seen[pair] = i
+    return dist
 
 
 def _new_stats():
@@ -256,8 +292,11 @@ def load_documents(source, fmt="auto", seed=0, verbose=True):
     stats = _new_stats()
     if source == "stdlib":
         docs = read_stdlib(seed, stats)
-    elif source == "synthetic":
-        docs = synthetic_documents(seed=seed)
+    elif source == "synthetic" or source.startswith("synthetic:"):  # synthetic:N = N documents
+        count = source.partition(":")[2] or "4000"
+        if not (count.isdigit() and int(count) > 0):
+            raise DataError(f"--data {source!r}: write synthetic or synthetic:N with N a positive integer.")
+        docs = synthetic_documents(int(count), seed=seed)
     else:
         if not os.path.exists(source):
             raise DataError(f"data path {source!r} does not exist.")
@@ -342,9 +381,12 @@ def load_tokenizer(path):
     return sp
 
 
-def corpus_key(source, fmt, seed):
-    """A name for a corpus that changes when its files do (paths, sizes, mtimes)."""
+def corpus_key(source, fmt, seed, docs=None):
+    """A name for a corpus that changes when its files do (paths, sizes, mtimes), or, for
+    generated (synthetic) documents, when their text does."""
     h = hashlib.sha256(f"{source}|{fmt}|{seed}|{sys.version}".encode())
+    for d in docs if source.startswith("synthetic") and docs else ():
+        h.update(d.text.encode())
     root = stdlib_path() if source == "stdlib" else source
     if source != "synthetic" and os.path.exists(root):
         for r, dirs, files in os.walk(root):
@@ -372,9 +414,9 @@ def encode_document(sp, doc):
     if not doc.parts:
         ids = np.asarray(sp.encode(doc.text), np.int32)
         return ids, np.zeros(len(ids), bool)
-    pieces = [(np.asarray(sp.encode(t), np.int32), ref) for t, ref in doc.parts]
-    return (np.concatenate([p for p, _ in pieces]),
-            np.concatenate([np.full(len(p), ref, bool) for p, ref in pieces]))
+    pieces = sp.encode([t for t, _ in doc.parts])  # each part alone: a reference is whole tokens
+    return (np.concatenate([np.asarray(p, np.int32) for p in pieces]),
+            np.concatenate([np.full(len(p), ref, bool) for p, (_, ref) in zip(pieces, doc.parts)]))
 
 
 def tokenize(docs, sp, cache_path=None):

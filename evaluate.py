@@ -92,20 +92,20 @@ def cmd_perplexity(args):
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
     docs, refs = validation_docs(args, run_args, sp, config)
     docs = [d[:args.eval_tokens + 1] for d in docs[:args.eval_docs]]
-    refs = [r[1:args.eval_tokens + 1] for r in refs[:args.eval_docs]]  # r[i + 1]: is target i a reference?
-    result = {"memory_size": config.memory_size, **train.evaluate(params, config, docs, config.batch_size)}
-    if any(r.any() for r in refs):  # synthetic data: the loss on the referenced values alone
-        for name, p in [("", params)] + ([("_memory_off", mt.memory_off(params))] if config.active_memory_layers else []):
-            ce = np.concatenate([per_token_loss(p, config, d)[0][r] for d, r in zip(docs, refs)])
-            result[f"reference_loss{name}"] = float(ce.mean())
-        print(f"reference tokens: loss {result['reference_loss']:.4f}" + (
-            f" (memory off: {result['reference_loss_memory_off']:.4f})" if config.active_memory_layers else ""))
+    refs = [r[:len(d)] for d, r in zip(docs, refs)]
+    # Synthetic data marks the referenced values: their loss is reported apart, by distance.
+    distances = [data.reference_distances(d, r) for d, r in zip(docs, refs)] if any(r.any() for r in refs) else None
+    result = {"memory_size": config.memory_size,
+              **train.full_evaluation(params, config, docs, distances, train.make_eval_step(train.step_config(config)))}
     line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {result['tokens']} tokens)"
     if config.active_memory_layers:
-        off = train.evaluate(mt.memory_off(params), config, docs, config.batch_size)
-        result.update(loss_memory_off=off["loss"], perplexity_memory_off=off["perplexity"])
-        line += f" | memory off: {off['perplexity']:.3f}"
+        line += f" | memory off: {result['perplexity_memory_off']:.3f}"
     print(f"memory {config.memory_size}: {line}")
+    for band in ("",) + tuple(f"_{b}" for b in train.DISTANCE_BANDS):
+        if f"reference_loss{band}" in result:
+            off = result.get(f"reference_loss{band}_memory_off")
+            print(f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss {result[f'reference_loss{band}']:.4f}"
+                  f" over {result[f'reference_tokens{band}']}" + ("" if off is None else f" (memory off: {off:.4f})"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -51,6 +51,9 @@ class Config:
     memory_chunk: int = 1024  # memory slots scored at once: scores never exceed [B, H, T, chunk]
     dtype: str = "float32"  # activations and matmuls; "bfloat16" for mixed precision
     memory_dtype: str = "float32"  # storage of the memory and the XL cache
+    # init: T5 bias of the first layer's first H/2 heads at distance 1 (0 = none, as in the paper).
+    # A previous-token head is half of a copy (induction) circuit; this prior speeds it up.
+    init_prev_token_bias: float = 0.0
     # training (Sec. 4.2)
     batch_size: int = 256  # rows; a batch holds batch_size * segment_length tokens
     grad_accum: int = 1  # micro-batches per step (rows are split between them)
@@ -124,6 +127,12 @@ PRESETS = {
     "tiny": Config(vocab_size=2048, d_model=128, num_layers=4, num_heads=4, head_dim=32, d_ff=512,
                    segment_length=128, memory_layers=(2,), memory_size=512, num_neighbors=32,
                    batch_size=8, steps=1200, warmup_steps=100),
+    # The synthetic recipe (README, "Synthetic"): two layers, so the copy circuit's second half
+    # can only live in the memory layer; a previous-token prior; a lower rate, at which the
+    # weights do not memorize a document's bindings while it streams past.
+    "synthetic": Config(vocab_size=2048, d_model=128, num_layers=2, num_heads=4, head_dim=32, d_ff=512,
+                        segment_length=128, memory_layers=(1,), memory_size=512, num_neighbors=32,
+                        batch_size=8, steps=2000, warmup_steps=100, lr=0.3, init_prev_token_bias=6.0),
 }
 
 
@@ -171,6 +180,7 @@ def init_params(config, rng):
         return std * jax.random.normal(next(keys), shape, jnp.float32)
 
     layers = []
+    prior = jnp.zeros((c.num_buckets, H)).at[1, :H // 2].set(c.init_prev_token_bias)  # bucket 1 = distance 1
     for i in range(c.num_layers):
         layer = {
             "attn_norm": jnp.ones((E,)),
@@ -181,7 +191,7 @@ def init_params(config, rng):
             # Sec. 3.2: q and k are unit vectors, so q.k has spread 1/sqrt(D); a scale of
             # sqrt(D) gives the initial logits unit spread.
             "qk_scale": jnp.full((H,), math.sqrt(D)),
-            "rel_bias": jnp.zeros((c.num_buckets, H)),  # T5 bias, one table a layer
+            "rel_bias": prior if i == 0 else jnp.zeros((c.num_buckets, H)),  # T5 bias, one table a layer
             "ffn_norm": jnp.ones((E,)),
             "w1": normal((E, F), E ** -0.5),
             "w2": normal((F, E), (F * 2 * c.num_layers) ** -0.5),

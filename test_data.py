@@ -151,16 +151,43 @@ def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_synthetic_reference_tokens_decode_to_the_defined_values(tmp_path):
-    docs = data.synthetic_documents(num_docs=3, length=200, seed=1)
-    assert docs[0].text == data.synthetic_documents(num_docs=3, length=200, seed=1)[0].text
-    sp, _ = data.get_tokenizer(docs, 400, str(tmp_path), "s")
+def test_synthetic_references_decode_to_their_values_and_their_distances_are_exact(tmp_path):
+    docs = data.synthetic_documents(num_docs=3, seed=1)
+    assert docs[0].text == data.synthetic_documents(num_docs=3, seed=1)[0].text
+    sp, _ = data.get_tokenizer(docs, 1024, str(tmp_path), "s")
     for d in docs:
         ids, ref = data.encode_document(sp, d)
         assert sp.decode(ids.tolist()) == d.text
-        defined = dict(line.split(" ")[1:4:2] for line in d.text.splitlines() if line.startswith("let "))
-        refs = [line.split(" ")[1] for line in d.text.splitlines() if line.startswith("use ")]
-        assert sp.decode(ids[ref].tolist()) == "".join(defined[n] for n in refs)
+        # Independently, from the lines: a name's first line defines it, later lines are references.
+        lines = d.text.splitlines()
+        value, refs = {}, []
+        for line in lines:
+            if line.split(" ")[0].isalpha() and line.split(" ")[0].islower():
+                name, val = line.split(" ")
+                if name in value:
+                    assert value[name] == val
+                    refs.append(val)
+                value[name] = val
+        assert sp.decode(ids[ref].tolist()) == "".join(" " + v for v in refs)
+        assert ref.sum() == len(refs)  # the tokenizer learned every value as one token
+        # Distances: walk the parts, counting tokens, and remember where each value was last.
+        want, pos, last = [], 0, {}
+        for text, is_ref in d.parts:
+            if text.startswith(" ") and text[1:].isupper():
+                if is_ref:
+                    want.append(pos - last[text])
+                last[text] = pos
+            pos += len(sp.encode(text))
+        got = data.reference_distances(ids, ref)
+        assert got[ref].tolist() == want and not got[~ref].any()
+        assert min(want) >= 1 and max(want) > 2 * 128  # near and far references both occur
+
+
+def test_synthetic_corpus_size_is_part_of_the_data_name():
+    assert len(data.load_documents("synthetic:7", verbose=False)) == 7
+    for bad in ("synthetic:0", "synthetic:x"):
+        with pytest.raises(data.DataError, match="synthetic:N"):
+            data.load_documents(bad, verbose=False)
 
 
 def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys):

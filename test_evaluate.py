@@ -79,7 +79,7 @@ def test_slot_positions_follow_the_ring_buffer_layout():
 def test_table_trains_the_paper_rows_and_writes_table_json(tmp_path, capsys):
     root = tmp_path / "table"
     # Two of the five rows keep the suite fast; the other three differ only in their flags.
-    flags = ["table", "--data", "synthetic", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
+    flags = ["table", "--data", "synthetic:40", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
              "--num-neighbors", "8", "--out-root", str(root), "--rows", "XL cache,memory 4T + XL"]
     assert evaluate.main(flags) == 0
     rows = json.loads((root / "table.json").read_text())

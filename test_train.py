@@ -18,7 +18,7 @@ import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A model small enough that a run of a few steps takes seconds.
-FAST = ["--data", "synthetic", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
+FAST = ["--data", "synthetic:40", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
         "--num-neighbors", "8", "--eval-docs", "2", "--eval-tokens", "64", "--log-every", "1"]
 
 
@@ -72,6 +72,34 @@ def test_adafactor_matches_its_definition_computed_by_hand(beta1):
         np.testing.assert_allclose(p[name], want, rtol=2e-5, atol=1e-6)
 
 
+def test_the_previous_token_prior_sets_only_distance_1_in_half_the_first_layers_heads():
+    c = mt.PRESETS["synthetic"]
+    params = mt.init_params(c, jax.random.PRNGKey(0))
+    want = np.zeros((c.num_buckets, c.num_heads))
+    want[1, :c.num_heads // 2] = c.init_prev_token_bias
+    np.testing.assert_array_equal(params["layers"][0]["rel_bias"], want)
+    assert not np.any(params["layers"][1]["rel_bias"])
+    assert int(mt.relative_position_bucket(-1, c.num_buckets, c.max_distance)) == 1  # bucket 1 is distance 1
+
+
+def test_the_t5_bias_tables_take_the_plain_step():
+    """A bias table starts at 0: it must move by lr_t a step, not by 1e-3 * lr_t (frozen)."""
+    c = mt.PRESETS["tiny"].replace(vocab_size=64, num_layers=2, memory_layers=(1,))
+    params = mt.init_params(c, jax.random.PRNGKey(0))
+    init, update = train.make_optimizer(c)
+    rng = np.random.default_rng(1)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+    u, _ = update(grads, init(params), params)
+    lr = lambda t: float(train.learning_rate(t, c.lr, c.warmup_steps))
+    for i in range(c.num_layers):
+        x, g = np.asarray(params["layers"][i]["rel_bias"]), np.asarray(grads["layers"][i]["rel_bias"])
+        want = np_adafactor(x, [g], lr, factored=False, scale_by_param=False) - x
+        np.testing.assert_allclose(u["layers"][i]["rel_bias"], want, rtol=1e-5, atol=1e-9)
+        # a weight matrix still steps relative to its scale
+        w, uw = np.asarray(params["layers"][i]["w1"]), np.asarray(u["layers"][i]["w1"])
+        assert np.sqrt(np.mean(uw ** 2)) <= lr(1) * np.sqrt(np.mean(w ** 2)) * 1.0001
+
+
 def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
     init, update = train.adafactor(0.1)
     p = {"embed": jnp.ones((64, 48))}
@@ -84,6 +112,26 @@ def test_learning_rate_is_linear_warmup_then_square_root_decay():
     for t, want in [(1, 1 / 1000 / math.sqrt(1000)), (500, 0.5 / math.sqrt(1000)), (1000, 1 / math.sqrt(1000)),
                     (4000, 1 / math.sqrt(4000))]:
         assert float(train.learning_rate(t, 1.0, 1000)) == pytest.approx(want, rel=1e-6)
+
+
+def test_evaluate_reports_reference_loss_by_distance_band():
+    """The per-band losses of a batched evaluation equal those of each document alone."""
+    import evaluate  # its per_token_loss streams one document through batch 1
+    c = mt.PRESETS["tiny"].replace(vocab_size=64, segment_length=16, memory_size=32, num_layers=2,
+                                   memory_layers=(1,), num_neighbors=4)
+    params = mt.init_params(c, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 64, n).astype(np.int32) for n in (50, 90, 33)]  # rows switch documents
+    dists = [rng.choice([0, 0, -1, 5, 16, 17, 32, 33, 80], len(d)) for d in docs]
+    got = train.evaluate(params, c, docs, 2, distances=dists)
+    ce = np.concatenate([evaluate.per_token_loss(params, c, d)[0] for d in docs])  # ce[j] predicts token j + 1
+    dist = np.concatenate([d[1:] for d in dists])
+    assert got["loss"] == pytest.approx(ce.mean(), rel=1e-5)
+    for band, sel in (("near", (dist >= 1) & (dist <= 16)), ("mid", (dist > 16) & (dist <= 32)),
+                      ("far", dist > 32), ("", dist != 0)):
+        key = f"reference_loss_{band}".rstrip("_")
+        assert got[key] == pytest.approx(ce[sel].mean(), rel=1e-5)
+        assert got[key.replace("loss", "tokens")] == sel.sum()
 
 
 # ----------------------------------------------------------------------------- runs
@@ -151,7 +199,7 @@ def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_p
 
 def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(tmp_path, cache):
     out = tmp_path / "smoke"
-    proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic", "--steps", "20",
+    proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic:40", "--steps", "20",
                            "--out", str(out), "--cache-dir", cache], cwd=HERE, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     with open(out / "eval.json") as f:

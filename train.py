@@ -34,7 +34,7 @@ class UsageError(Exception):
 
 # ----------------------------------------------------------------------------- Adafactor
 def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_threshold=1.0,
-              beta1=None, multiply_by_parameter_scale=True, min_dim_size_to_factor=32):
+              beta1=None, multiply_by_parameter_scale=True, min_dim_size_to_factor=32, plain=None):
     """Adafactor (Shazeer & Stern, 2018) with optax's (init, update) convention.
 
     For a gradient G at step t (from 1), with beta2_t = 1 - t^(-decay_rate):
@@ -46,7 +46,8 @@ def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_thresho
       with beta1: M = beta1 M + (1 - beta1) U, and U = M
       update = -lr_t * max(eps2, RMS(X)) * U    (relative to the parameter's scale, rank >= 2)
     Vectors (norm weights, biases, gates, q/k scales) take the plain step -lr_t * U: their
-    scale says nothing about a good step (a gate bias starts at 0).
+    scale says nothing about a good step (a gate bias starts at 0). So do the leaves that
+    `plain` (a pytree of bools shaped like the params) marks, whatever their rank.
     learning_rate is a number or a function of the step t.
     """
     lr_fn = learning_rate if callable(learning_rate) else (lambda t: learning_rate)
@@ -76,6 +77,7 @@ def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_thresho
         lr = lr_fn(t)
         g_leaves, treedef = jax.tree.flatten(grads)
         p_leaves = jax.tree.leaves(params)
+        plain_leaves = jax.tree.leaves(plain) if plain is not None else [False] * len(p_leaves)
         new_v, new_m, updates = [], [], []
         for i, (g, x) in enumerate(zip(g_leaves, p_leaves)):
             g2 = g * g + eps1
@@ -94,7 +96,7 @@ def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_thresho
                 u = beta1 * state["m"][i] + (1 - beta1) * u
                 new_m.append(u)
             scale = lr
-            if multiply_by_parameter_scale and x.ndim >= 2:
+            if multiply_by_parameter_scale and x.ndim >= 2 and not plain_leaves[i]:
                 scale = lr * jnp.maximum(eps2, jnp.sqrt(jnp.mean(x * x)))
             updates.append(-scale * u)
         return jax.tree.unflatten(treedef, updates), {"count": t, "v": new_v, "m": new_m if beta1 is not None else None}
@@ -110,8 +112,18 @@ def learning_rate(step, base_lr, warmup_steps):
 
 
 # ----------------------------------------------------------------------------- the step
+def plain_step_leaves(params):
+    """True for the T5 bias tables: bias tables, not weight matrices. They start at 0, where a
+    step relative to their scale (1e-3 * lr_t) would leave them frozen, and with them the
+    only position signal of the model."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) == "rel_bias" for k in path), params)
+
+
 def make_optimizer(config):
-    return adafactor(lambda t: learning_rate(t, config.lr, config.warmup_steps))
+    shapes = jax.eval_shape(lambda: mt.init_params(config, jax.random.PRNGKey(0)))
+    return adafactor(lambda t: learning_rate(t, config.lr, config.warmup_steps),
+                     plain=plain_step_leaves(shapes))
 
 
 def step_config(config):
@@ -169,22 +181,49 @@ def make_train_step(config):
 def make_eval_step(config):
     def step(params, state, batch):
         logits, state = mt.forward(params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"])
-        ce = mt.cross_entropy(logits, batch["targets"]) * batch["mask"]
-        return state, jnp.sum(ce), jnp.sum(batch["mask"])
+        return state, mt.cross_entropy(logits, batch["targets"]) * batch["mask"]  # [B, T]
     return jax.jit(step, donate_argnums=(1,))
 
 
-def evaluate(params, config, docs, batch_size, eval_step=None):
-    """Token-level validation loss: each document from its start with a fresh memory."""
+# How far back a reference's value last appeared: within the local window, beyond it but
+# within 2 segments, or more than 2 segments back (only the memory reaches it).
+DISTANCE_BANDS = {"near": (0, 1), "mid": (1, 2), "far": (2, float("inf"))}  # (lo, hi] in segments
+
+
+def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
+    """Token-level validation loss: each document from its start with a fresh memory.
+
+    distances (optional, per document, aligned with its tokens): how far back each reference
+    token's value last appeared (data.reference_distances). The result then also has the
+    loss on the references in each band of DISTANCE_BANDS, e.g. reference_loss_far.
+    """
     eval_step = eval_step or make_eval_step(step_config(config))
     rows = max(1, min(batch_size, len(docs)))
     state = mt.init_state(config, rows)
     total, count = 0.0, 0
+    ref_ce, ref_dist = [], []
     for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
-        state, s, n = eval_step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
-        total, count = total + float(s), count + int(n)
+        state, ce = eval_step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
+        ce = np.asarray(ce, np.float64)
+        total, count = total + float(ce.sum()), count + int(batch["mask"].sum())
+        for b in range(rows) if distances is not None else ():
+            n = int(batch["mask"][b].sum())
+            if n:  # target j of this segment is token offset + 1 + j of its document
+                d, off = batch["doc"][b], batch["offset"][b]
+                ref_ce.append(ce[b, :n])
+                ref_dist.append(distances[d][off + 1:off + 1 + n])
     loss = total / max(count, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+    result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+    if ref_ce:
+        ce, dist = np.concatenate(ref_ce), np.concatenate(ref_dist)
+        T = config.segment_length
+        result.update(reference_loss=float(ce[dist != 0].mean()), reference_tokens=int((dist != 0).sum()))
+        for band, (lo, hi) in DISTANCE_BANDS.items():
+            sel = (dist > lo * T) & (dist <= hi * T)  # other tokens have distance 0 (or -1)
+            if sel.any():
+                result[f"reference_loss_{band}"] = float(ce[sel].mean())
+                result[f"reference_tokens_{band}"] = int(sel.sum())
+    return result
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -269,7 +308,8 @@ def build_parser():
     p = argparse.ArgumentParser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny",
-                   help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2)")
+                   help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
+                   "2-layer recipe that learns the synthetic task, README)")
     p.add_argument("--data", default="stdlib", help="stdlib (the running Python's standard library), "
                    "synthetic (long-range references), or a PATH")
     p.add_argument("--data-format", default="auto", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
@@ -292,6 +332,8 @@ def build_parser():
                    "(params, softmax statistics and the loss stay float32)")
     p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache")
     p.add_argument("--lr", type=float, help="base learning rate (1.0 in the paper)")
+    p.add_argument("--init-prev-token-bias", type=float, help="initial T5 bias at distance 1 in half of the "
+                   "first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps before square-root decay")
     p.add_argument("--seed", type=int, help="seed for init, data order and split")
     p.add_argument("--out", help="output directory (default runs/<timestamp>)")
@@ -313,7 +355,7 @@ def prepare_data(config, args, tokenizer_path=None):
     """Documents -> tokenizer -> (train tokens, validation tokens, tokenizer path)."""
     docs = data.load_documents(args.data, args.data_format, seed=0)
     train_docs, valid_docs = data.split_documents(docs, args.valid_fraction, seed=0)
-    key = data.corpus_key(args.data, args.data_format, 0)
+    key = data.corpus_key(args.data, args.data_format, 0, docs)
     if tokenizer_path:
         sp, tok_path = data.load_tokenizer(tokenizer_path), tokenizer_path
     else:
@@ -324,14 +366,17 @@ def prepare_data(config, args, tokenizer_path=None):
         tok_hash = hashlib.sha256(f.read()).hexdigest()[:16]
     cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{tok_hash}-{part}.npz")
     train, _ = data.tokenize(train_docs, sp, cache("train"))
-    valid, _ = data.tokenize(valid_docs, sp, cache("valid"))
+    valid, refs = data.tokenize(valid_docs, sp, cache("valid"))
     if args.min_doc_tokens:
         train = [t for t in train if len(t) >= args.min_doc_tokens]
-        valid = [t for t in valid if len(t) >= args.min_doc_tokens]
+        valid, refs = zip(*[(t, r) for t, r in zip(valid, refs) if len(t) >= args.min_doc_tokens]) or ((), ())
     if not train or not valid:
         raise UsageError(f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split.")
     valid = [t[:args.eval_tokens + 1] for t in valid[:args.eval_docs]]
-    return train, valid, tok_path
+    refs = [r[:len(t)] for t, r in zip(valid, refs)]
+    # Synthetic data: how far back each reference's value last appeared (else None).
+    distances = [data.reference_distances(t, r) for t, r in zip(valid, refs)] if any(r.any() for r in refs) else None
+    return train, valid, distances, tok_path
 
 
 def shard(tree, mesh, spec):
@@ -378,7 +423,7 @@ def train(args):
     except OSError:
         raise UsageError(f"cannot write to the output directory {out}.") from None
 
-    train_tokens, valid_tokens, tok_path = prepare_data(config, args, tokenizer)
+    train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
     if os.path.abspath(tok_path) != os.path.abspath(os.path.join(out, "tokenizer.model")):
         with open(tok_path, "rb") as src, open(os.path.join(out, "tokenizer.model"), "wb") as dst:
             dst.write(src.read())
@@ -460,9 +505,7 @@ def train(args):
                       f"{rec['tokens_per_s']:8.0f} tok/s{fill} {gates}", flush=True)
                 t_log, tokens_since = time.time(), 0
             if args.eval_every and step % args.eval_every == 0 and step < config.steps:
-                ev = evaluate(params, config, valid_tokens, config.batch_size, eval_step)
-                log.write(json.dumps({"step": step, "eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}) + "\n")
-                print(f"eval {step:6d} | loss {ev['loss']:.4f} | ppl {ev['perplexity']:9.2f}", flush=True)
+                log.write(json.dumps(eval_record(step, params, config, valid_tokens, valid_distances, eval_step)) + "\n")
             if step % args.save_every == 0 or step == config.steps or stop["signal"]:
                 save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position())
             if stop["signal"]:
@@ -474,21 +517,46 @@ def train(args):
         for s, h in old.items():
             signal.signal(s, h)
 
-    ev = evaluate(params, config, valid_tokens, config.batch_size, eval_step)
-    result = {"step": step, "loss": ev["loss"], "perplexity": ev["perplexity"], "tokens": ev["tokens"]}
-    if config.active_memory_layers:
-        off = evaluate(mt.memory_off(params), config, valid_tokens, config.batch_size, eval_step)
-        result.update(loss_memory_off=off["loss"], perplexity_memory_off=off["perplexity"])
+    result = full_evaluation(params, config, valid_tokens, valid_distances, eval_step)
+    ev = {"step": step, "eval_loss": result["loss"], "eval_perplexity": result["perplexity"]}
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}) + "\n")
+        f.write(json.dumps({**ev, **{k: v for k, v in result.items() if k.startswith("reference_loss")}}) + "\n")
+    result = {"step": step, **result}
     tmp = os.path.join(out, "eval.json.tmp")
     with open(tmp, "w") as f:
         json.dump(result, f, indent=2)
     os.replace(tmp, os.path.join(out, "eval.json"))
-    off = f" (memory off: {result['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in result else ""
-    print(f"eval {step:6d} | loss {ev['loss']:.4f} | ppl {ev['perplexity']:9.2f}{off} | "
-          f"{ev['tokens']} tokens | {time.time() - t_start:.0f} s total | {out}/eval.json", flush=True)
+    print(f"{format_eval(step, result)} | {result['tokens']} tokens | {time.time() - t_start:.0f} s total | "
+          f"{out}/eval.json", flush=True)
     return 0
+
+
+def full_evaluation(params, config, docs, distances, eval_step):
+    """evaluate(), plus the memory-off ablation for a memory model: its loss and perplexity,
+    and its reference losses, under the same names with a _memory_off suffix."""
+    result = evaluate(params, config, docs, config.batch_size, eval_step, distances)
+    if config.active_memory_layers:
+        off = evaluate(mt.memory_off(params), config, docs, config.batch_size, eval_step, distances)
+        result.update({f"{k}_memory_off": v for k, v in off.items() if k in ("loss", "perplexity") or
+                       k.startswith("reference_loss")})
+    return result
+
+
+def format_eval(step, r):
+    """The printed line of an evaluation: loss, perplexity, memory off, reference losses."""
+    off = f" (memory off {r['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in r else ""
+    refs = "".join(f" | ref {b} {r[f'reference_loss_{b}']:.3f}" + (
+        f" (off {r[f'reference_loss_{b}_memory_off']:.3f})" if f"reference_loss_{b}_memory_off" in r else "")
+        for b in DISTANCE_BANDS if f"reference_loss_{b}" in r)
+    return f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}{refs}"
+
+
+def eval_record(step, params, config, docs, distances, eval_step):
+    """A periodic evaluation: printed, and returned as one metrics.jsonl record."""
+    r = full_evaluation(params, config, docs, distances, eval_step)
+    print(format_eval(step, r), flush=True)
+    return {"step": step, "eval_loss": r["loss"], "eval_perplexity": r["perplexity"],
+            **{k: v for k, v in r.items() if k.startswith(("reference_loss", "perplexity_memory_off"))}}
 
 
 def _truncate_metrics(path, step):
