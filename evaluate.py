@@ -174,7 +174,7 @@ def cmd_inspect(args):
     ce_off, _ = per_token_loss(mt.memory_off(params), config, doc)
     gain = ce_off - ce_on
     T = config.segment_length
-    context = lambda a, b: sp.decode([int(t) for t in doc[max(a, 0):b]]).replace("\n", "\\n")[-60:]
+    context = lambda a, b: sp.decode([int(t) for t in doc[max(a, 0):b]])[-60:]
     print(f"validation document {args.doc}: {len(gain)} tokens; memory lowers the loss by {gain.mean():+.4f} nats "
           f"on average (memory off - memory on); the {args.top} largest gains:")
     for i in np.argsort(-gain)[:args.top]:

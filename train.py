@@ -311,7 +311,7 @@ def build_parser():
                    help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
                    "2-layer recipe that learns the synthetic task, README)")
     p.add_argument("--data", default="stdlib", help="stdlib (the running Python's standard library), "
-                   "synthetic (long-range references), or a PATH")
+                   "synthetic (4000 generated documents with near and far references; synthetic:N for N), or a PATH")
     p.add_argument("--data-format", default="auto", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
                    help="how to read PATH: repo = a directory per document, repo-deps = same in import "
                    "order, text = one .txt file per document, jsonl = one {'text': ...} per line")
