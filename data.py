@@ -256,6 +256,11 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
     return docs
 
 
+def is_synthetic(source):
+    """`--data synthetic` or `synthetic:N`: generated, not read from a path."""
+    return source == "synthetic" or source.startswith("synthetic:")
+
+
 def reference_distances(tokens, is_reference):
     """For each reference token, how many tokens back the same (previous token, token) pair
     last occurred: how far a model must look to copy it. 0 for other tokens; -1 for a
@@ -292,7 +297,7 @@ def load_documents(source, fmt="auto", seed=0, verbose=True):
     stats = _new_stats()
     if source == "stdlib":
         docs = read_stdlib(seed, stats)
-    elif source == "synthetic" or source.startswith("synthetic:"):  # synthetic:N = N documents
+    elif is_synthetic(source):  # synthetic:N = N documents
         count = source.partition(":")[2] or "4000"
         if not (count.isdigit() and int(count) > 0):
             raise DataError(f"--data {source!r}: write synthetic or synthetic:N with N a positive integer.")
@@ -385,10 +390,10 @@ def corpus_key(source, fmt, seed, docs=None):
     """A name for a corpus that changes when its files do (paths, sizes, mtimes), or, for
     generated (synthetic) documents, when their text does."""
     h = hashlib.sha256(f"{source}|{fmt}|{seed}|{sys.version}".encode())
-    for d in docs if source.startswith("synthetic") and docs else ():
+    for d in docs if is_synthetic(source) and docs else ():
         h.update(d.text.encode())
     root = stdlib_path() if source == "stdlib" else source
-    if source != "synthetic" and os.path.exists(root):
+    if not is_synthetic(source) and os.path.exists(root):
         for r, dirs, files in os.walk(root):
             dirs.sort()
             for f in sorted(files):

@@ -239,6 +239,8 @@ def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cac
     (["--memory-layers", "9"], "out of range"),
     (["--eval-docs", "0"], "eval-docs"),
     (["--resume", "--init-from", "x"], "cannot be combined"),
+    (["--min-doc-tokens", "100000"], "no document of at least 100000 tokens"),
+    (["--data", "synthetic:0"], "synthetic:N"),
 ])
 def test_bad_flags_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys, flags, message):
     assert run(tmp_path / "bad", cache, *flags) == 2

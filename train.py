@@ -369,7 +369,8 @@ def prepare_data(config, args, tokenizer_path=None):
     valid, refs = data.tokenize(valid_docs, sp, cache("valid"))
     if args.min_doc_tokens:
         train = [t for t in train if len(t) >= args.min_doc_tokens]
-        valid, refs = zip(*[(t, r) for t, r in zip(valid, refs) if len(t) >= args.min_doc_tokens]) or ((), ())
+        keep = [i for i, t in enumerate(valid) if len(t) >= args.min_doc_tokens]
+        valid, refs = [valid[i] for i in keep], [refs[i] for i in keep]
     if not train or not valid:
         raise UsageError(f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split.")
     valid = [t[:args.eval_tokens + 1] for t in valid[:args.eval_docs]]
