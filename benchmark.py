@@ -2,7 +2,8 @@
 
   python benchmark.py                                   # tiny preset, M = 0, 8192, 65536
   python benchmark.py --preset paper --batch-size 1 --steps 3
-  python benchmark.py --json rows.json
+  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --steps 3   # one GPU
+  python benchmark.py --json rows.json --profile prof/  # also: where each step's time goes
 
 Each memory size runs in its own process (so that peak memory is that row's own), compiles
 the jitted train step once, warms up, and reports the median of --steps timed steps
@@ -11,14 +12,23 @@ the jitted train step once, warms up, and reports the median of --steps timed st
 The floor: training FLOPs with the memory over those without, counting what the memory
 must add and nothing else: one forward-only [T, M] score product per head in each memory
 layer, and attention over the K retrieved pairs (forward and backward).
+
+--profile DIR traces a few more steps of each row with jax.profiler and prints the XLA
+operations that took the most device time (thread time on a CPU), each with the JAX
+operation it came from; DIR keeps the compiled HLO, the raw trace and the table as JSON.
 """
 import argparse
+import collections
+import glob
 import json
 import os
+import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -52,7 +62,7 @@ def peak_bytes():
 
 
 def measure_recall(c, memory_size, queries=64):
-    """Approximate top-k against exact top-k on random unit vectors, through memory_search."""
+    """Approximate top-k, in the model's dtypes, against exact float32 top-k on random unit vectors."""
     import jax.numpy as jnp
     import memorizing_transformer as mt
     if not memory_size or c.exact_topk:
@@ -63,8 +73,8 @@ def measure_recall(c, memory_size, queries=64):
     q = unit(rng.standard_normal((1, queries, 1, c.head_dim))).astype(np.float32)
     k = unit(rng.standard_normal((1, 1, memory_size, c.head_dim))).astype(np.float32)
     valid = np.ones((1, memory_size), bool)
-    _, approx = mt.memory_search(q, k, valid, jnp.ones(1), cfg)
-    _, exact = mt.memory_search(q, k, valid, jnp.ones(1), cfg.replace(exact_topk=True))
+    _, approx = mt.memory_search(jnp.asarray(q, c.dtype), jnp.asarray(k, c.storage_dtype), valid, jnp.ones(1), cfg)
+    _, exact = mt.memory_search(q, k, valid, jnp.ones(1), cfg.replace(exact_topk=True, dtype="float32"))
     a, e = np.asarray(approx).reshape(-1, c.num_neighbors), np.asarray(exact).reshape(-1, c.num_neighbors)
     return float(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a.tolist(), e.tolist())]))
 
@@ -82,14 +92,56 @@ def device_name():
     return f"CPU {model}, {os.cpu_count()} cores"
 
 
-def run_row(preset, batch, memory_size, steps, dtype):
+def profile_steps(run_step, steps, hlo_text, out_dir, tag):
+    """Time per XLA operation over `steps` steps, from a jax.profiler trace.
+
+    Sums the duration of every traced event that names an HLO operation of the step's module
+    (GPU kernels on a GPU; thunks on a CPU, where parallel threads add up to more than the
+    wall time) and maps each operation to the JAX operation it came from (HLO metadata).
+    Writes the trace, the HLO and the table to out_dir; returns the table, longest first.
+    """
+    import jax
+    from jax.profiler import ProfileData
+    source = dict(re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M))
+    module = re.search(r"^HloModule (\S+?),", hlo_text, re.M)
+    module = module.group(1) if module else ""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(steps):
+            run_step()
+        jax.profiler.stop_trace()
+        trace = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+        shutil.copy(trace, os.path.join(out_dir, f"trace_{tag}.xplane.pb"))
+        profile = ProfileData.from_file(trace)
+    per_op, lines = collections.Counter(), collections.Counter()
+    for plane in profile.planes:
+        if not plane.name.startswith(("/device:", "/host:CPU")):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats and stats.get("hlo_module", module) == module:
+                    per_op[stats["hlo_op"]] += event.duration_ns
+                    lines[f"{plane.name} {line.name}"] += event.duration_ns
+    total = sum(per_op.values()) or 1
+    table = [{"op": op, "ms_per_step": ns / steps / 1e6, "share": ns / total, "source": source.get(op, "")}
+             for op, ns in per_op.most_common()]
+    with open(os.path.join(out_dir, f"step_{tag}.hlo.txt"), "w") as f:
+        f.write(hlo_text)
+    with open(os.path.join(out_dir, f"profile_{tag}.json"), "w") as f:
+        json.dump({"module": module, "steps": steps, "ms_per_step": total / steps / 1e6,
+                   "by_line": {k: v / steps / 1e6 for k, v in lines.items()}, "ops": table}, f, indent=1)
+    return table
+
+
+def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None):
     """One memory size, in this process: returns the row's measurements."""
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
     import train
     base = mt.PRESETS[preset]
-    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype)
+    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype, memory_dtype=memory_dtype)
     params = mt.init_params(c, jax.random.PRNGKey(0))
     opt_state = train.make_optimizer(c)[0](params)
     state = mt.init_state(c, batch)
@@ -110,6 +162,14 @@ def run_row(preset, batch, memory_size, steps, dtype):
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[1:])
     peak = peak_bytes()
+    top_ops = None
+    if profile_dir:
+        def run_step():
+            nonlocal params, opt_state, state
+            params, opt_state, state, m = step(params, opt_state, state, batch_arrays)
+            jax.block_until_ready(m)
+        hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
+        top_ops = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")[:12]
     fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
     fwd_times = []
     for _ in range(steps + 2):
@@ -121,9 +181,9 @@ def run_row(preset, batch, memory_size, steps, dtype):
     return {"memory_size": memory_size, "step_s": step_s, "forward_s": statistics.median(fwd_times[2:]),
             "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
             "recall": measure_recall(c, memory_size), "train_flops": train_f, "forward_flops": fwd_f,
-            "compile_s": compile_s, "device": device_name(),
+            "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype, "profile": top_ops,
             "memory_bytes": 2 * len(c.active_memory_layers) * batch * c.num_heads * memory_size * c.head_dim *
-            (2 if c.memory_dtype == "bfloat16" else 4)}
+            jnp.dtype(c.storage_dtype).itemsize}
 
 
 def positive_int(text):
@@ -144,7 +204,11 @@ def main(argv=None):
     p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory (the baseline)")
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per row (median reported)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation precision")
+    p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache "
+                   "(default: the same as --dtype)")
     p.add_argument("--json", help="write the rows to this file as a list of objects")
+    p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
+                   "that took the most time, and keep the trace, the HLO and the table in DIR")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
     args = p.parse_args(argv)
     base = mt.PRESETS[args.preset]
@@ -160,21 +224,30 @@ def main(argv=None):
               f"error: --memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.", file=sys.stderr)
         return 2
     if args.row is not None:
-        print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype)))
+        print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile)))
         return 0
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         print(f"error: cannot write {args.json}: its directory does not exist.", file=sys.stderr)
         return 2
+    if args.profile:
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError:
+            print(f"error: cannot create the profile directory {args.profile}.", file=sys.stderr)
+            return 2
 
     rows = []
     for m in sizes:
         cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
                "--steps", str(args.steps), "--dtype", args.dtype, "--row", str(m)]
+        cmd += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
+        cmd += ["--profile", args.profile] if args.profile else []
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             print(f"error: the row with memory size {m} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
             return 1
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"row {m}: step {rows[-1]['step_s']:.4f} s, compiled in {rows[-1]['compile_s']:.0f} s", file=sys.stderr)
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in rows[0]["device"]), None)
     for r in rows:
@@ -183,21 +256,32 @@ def main(argv=None):
         r["floor_ratio"] = r["train_flops"] / base_row["train_flops"]
         r["forward_ratio"] = r["forward_s"] / base_row["forward_s"]
         r["forward_floor_ratio"] = r["forward_flops"] / base_row["forward_flops"]
+        # Peak memory added by the memory, over the memory's own storage (keys and values).
+        r["peak_growth"] = ((r["peak_bytes"] - base_row["peak_bytes"]) / r["memory_bytes"]
+                            if r["memory_bytes"] and base_row["memory_size"] == 0 else None)
 
     c = base
     print(f"device: {rows[0]['device']} | preset {args.preset}: {c.num_layers} layers, d_model {c.d_model}, "
-          f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, median of {args.steps} steps")
+          f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
+          f"{rows[-1]['memory_dtype']}, median of {args.steps} steps")
     fmt = lambda x: "-" if x is None else f"{x:.3f}"
     print("\ntrain step")
-    print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'recall':>7}")
+    print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'growth':>7} "
+          f"{'recall':>7}" + (f" {'MFU':>6}" if rows[0]["mfu"] is not None else ""))
     for r in rows:
         print(f"{r['memory_size']:>8} {r['step_s']:>9.4f} {r['ratio']:>7.3f} {r['floor_ratio']:>7.3f} "
-              f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['recall']):>7}"
-              + (f" MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""))
+              f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['peak_growth']):>7} "
+              f"{fmt(r['recall']):>7}" + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else ""))
+    print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
     print("\nforward pass")
     print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7}")
     for r in rows:
         print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} {r['forward_floor_ratio']:>7.3f}")
+    for r in rows if args.profile else ():
+        print(f"\nwhere the step's time goes, memory {r['memory_size']} (ms per step; {args.profile}/profile_M"
+              f"{r['memory_size']}.json has every operation)")
+        for op in r["profile"]:
+            print(f"{op['ms_per_step']:>9.2f} {op['share']:>6.1%}  {op['op'][:32]:<32}  {op['source'][-90:]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -1,12 +1,28 @@
-"""Test-session setup: one persistent JAX compilation cache for this pytest run.
+"""Test-session setup, before any test imports JAX.
 
-Runs of train.py in subprocesses (the smoke run, the sharded step) and in-process share the
-compiled steps through it, so each distinct step compiles once per session. The directory is
-fresh for every session, so timings always include one cold compile.
+1. Full float32 precision on every backend. The tests compare the model's math with exact
+   references. On NVIDIA GPUs JAX's default precision for float32 matmuls is a faster,
+   lower-precision pass (TF32-class, a 10-bit mantissa), which is a choice of the backend,
+   not of the math; on a CPU float32 matmuls are full precision anyway. The setting is an
+   environment variable, so the train.py and benchmark.py subprocesses of the tests get it
+   too. Tests about bfloat16 keep their own stated tolerances (bf16 inputs ignore it).
+2. Deterministic GPU kernels (no atomics in scatter-adds and reductions), so that the tests
+   that resume a run or repeat a computation can ask for equality on a GPU as on a CPU.
+   The flag is ignored on a CPU.
+3. One persistent JAX compilation cache for this pytest run: runs of train.py in
+   subprocesses (the smoke run, the sharded step) and in-process share the compiled steps
+   through it, so each distinct step compiles once per session. The directory is fresh for
+   every session, so timings always include one cold compile.
 """
 import os
 import tempfile
 
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_exclude_nondeterministic_ops=true").strip()
 _cache = tempfile.mkdtemp(prefix="jax-cache-")
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+import jax  # noqa: E402  (after the environment above)
+
+jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first

@@ -49,8 +49,8 @@ class Config:
     exact_topk: bool = False  # True: lax.top_k; False: binned approximate top-k (Sec. 3.3)
     topk_recall_target: float = 0.95  # sets the number of bins of the approximate top-k
     memory_chunk: int = 1024  # memory slots scored at once: scores never exceed [B, H, T, chunk]
-    dtype: str = "float32"  # activations and matmuls; "bfloat16" for mixed precision
-    memory_dtype: str = "float32"  # storage of the memory and the XL cache
+    dtype: str = "float32"  # activations, matmuls and memory search scores; "bfloat16" for mixed precision
+    memory_dtype: str = None  # storage of the memory and the XL cache; None: the same as dtype
     # init: T5 bias of the first layer's first H/2 heads at distance 1 (0 = none, as in the paper).
     # A previous-token head is half of a copy (induction) circuit; this prior speeds it up.
     init_prev_token_bias: float = 0.0
@@ -93,9 +93,10 @@ class Config:
                              f"d_model ({self.d_model}).")
         if not 0.0 < self.topk_recall_target < 1.0:
             raise ValueError(f"topk_recall_target must be in (0, 1), got {self.topk_recall_target}.")
-        for name in ("dtype", "memory_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}.")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+        if self.memory_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"memory_dtype must be 'float32', 'bfloat16' or None (as dtype), got {self.memory_dtype!r}.")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
                              f"({self.grad_accum}).")
@@ -106,6 +107,11 @@ class Config:
     def active_memory_layers(self):
         """The kNN-augmented layers; none when memory_size is 0."""
         return tuple(sorted(self.memory_layers)) if self.memory_size else ()
+
+    @property
+    def storage_dtype(self):
+        """What the memory and the XL cache are stored in."""
+        return self.memory_dtype or self.dtype
 
     @property
     def cache_length(self):
@@ -152,7 +158,7 @@ class State(NamedTuple):
 
 def init_state(config, batch_size):
     c, m = config, config.memory_size
-    dt = jnp.dtype(c.memory_dtype)
+    dt = jnp.dtype(c.storage_dtype)
     n_mem = len(c.active_memory_layers)
     C, H, D = c.cache_length, c.num_heads, c.head_dim
     return State(
@@ -289,20 +295,21 @@ def bin_max(scores, bin_size):
     """Each contiguous bin's best entry: scores [..., N] -> values, indices [..., N / bin_size].
 
     One fused max, no argmax pass: a float's bits, read as an int32 with the negative ones
-    flipped, sort like the float; the low log2(bin_size) bits are replaced by the entry's
-    position in its bin, so the max carries its own index. The returned values lose those
-    low mantissa bits (bin_size 128: 7 of 23 bits); ranking is unchanged beyond ~1e-5
-    relative. bin_size must be a power of two; 1 gives the scores back exactly.
+    negated (sign bit cleared), sort like the float; the low log2(bin_size) bits are replaced by the entry's
+    position in its bin, so the max carries its own index. Float32 values lose those low
+    mantissa bits (bin_size 128: 7 of 23 bits; ranking is unchanged beyond ~1e-5 relative);
+    bfloat16 scores lose nothing, as their low 16 bits are 0 once widened to float32.
+    bin_size must be a power of two; 1 gives the scores back exactly.
     """
     assert bin_size & (bin_size - 1) == 0, f"bin_size {bin_size} is not a power of two"
     low = bin_size - 1
     bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-    key = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float value
+    key = jnp.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # monotone in the float value
     key = key.reshape(scores.shape[:-1] + (-1, bin_size))  # [..., N / bin, bin]
     key = (key & ~low) | jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
     best = jnp.max(key, axis=-1)  # [..., N / bin]
     value = best & ~low
-    value = jax.lax.bitcast_convert_type(jnp.where(value < 0, value ^ 0x7FFFFFFF, value), jnp.float32)
+    value = jax.lax.bitcast_convert_type(jnp.where(value < 0, -value | jnp.iinfo(jnp.int32).min, value), jnp.float32)
     start = bin_size * jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1)
     return value, start + (best & low)
 
@@ -341,8 +348,10 @@ def memory_search(q, mem_k, mem_valid, scale, config):
         # Slices of the memory in place: no copy of the memory is ever made.
         kc = jax.lax.dynamic_slice_in_dim(mem_k, i * chunk, chunk, axis=2)  # [B, H, chunk, D]
         vc = jax.lax.dynamic_slice_in_dim(mem_valid, i * chunk, chunk, axis=1)  # [B, chunk]
+        # The scores are the largest tensor of a step (T per slot): they stay in the queries'
+        # dtype, so bfloat16 halves their traffic. Accumulation is float32 either way.
         s = jnp.einsum("bhtd,bhmd->bhtm", qs, kc.astype(qs.dtype),
-                       preferred_element_type=jnp.float32)  # [B, H, T, chunk]
+                       preferred_element_type=qs.dtype)  # [B, H, T, chunk]
         s = jnp.where(vc[:, None, None, :], s, NEG_INF)  # [B, H, T, chunk]
         if bin_size is None:
             vals, idx = jax.lax.top_k(s, min(K, chunk))  # [B, H, T, K]
@@ -368,13 +377,16 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config):
     mem_k, mem_v = jax.lax.stop_gradient(mem_k), jax.lax.stop_gradient(mem_v)  # [B, H, M, D]
     _, slots = memory_search(q, mem_k, mem_valid, scale, config)  # [B, H, T, K]
     take = jax.vmap(jax.vmap(lambda m, i: m[i]))  # per (b, h): [M, D], [T, K] -> [T, K, D]
-    keys = take(mem_k, slots).astype(q.dtype)  # [B, H, T, K, D]
-    vals = take(mem_v, slots).astype(q.dtype)  # [B, H, T, K, D]
+    keys = take(mem_k, slots).astype(jnp.float32)  # [B, H, T, K, D]
+    vals = take(mem_v, slots).astype(jnp.float32)  # [B, H, T, K, D]
     valid = jax.vmap(lambda m, i: m[i])(mem_valid, slots)  # [B, H, T, K]
-    logits = jnp.einsum("bthd,bhtkd->bhtk", q, keys, preferred_element_type=jnp.float32)
+    # 'bhtd,bhtkd->bhtk' and 'bhtk,bhtkd->bhtd' written as products and sums, so that XLA may
+    # fuse the gathers into them rather than write out the neighbours (K times the size of q).
+    qt = jnp.transpose(q, (0, 2, 1, 3)).astype(jnp.float32)  # [B, H, T, D]
+    logits = jnp.sum(qt[:, :, :, None, :] * keys, axis=-1)  # [B, H, T, K]
     weights, has_memory = masked_softmax(logits * scale[None, :, None, None], valid)  # [B, H, T, K], [B, H, T]
-    out = jnp.einsum("bhtk,bhtkd->bthd", weights.astype(vals.dtype), vals)  # [B, T, H, D]
-    return out, jnp.transpose(has_memory, (0, 2, 1)), slots, weights
+    out = jnp.sum(weights[..., None] * vals, axis=-2)  # [B, H, T, D]
+    return jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype), jnp.transpose(has_memory, (0, 2, 1)), slots, weights
 
 
 def write_memory(mem, new, pos, axis):

@@ -108,6 +108,17 @@ def random_tokens(seed, config, batch, segments):
     return jnp.asarray(rng.integers(0, config.vocab_size, (batch, segments * config.segment_length)))
 
 
+# ----------------------------------------------------------------------------- the session
+def test_the_session_runs_float32_matmuls_at_full_precision():
+    """conftest.py asks for it: on a GPU the default is a TF32-class pass (~1e-3 relative),
+    and every comparison with an exact reference below would fail for that reason alone."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 256, 256))
+    got = np.asarray(jax.jit(jnp.matmul)(a.astype(np.float32), b.astype(np.float32)), np.float64)
+    want = a.astype(np.float32).astype(np.float64) @ b.astype(np.float32).astype(np.float64)
+    assert np.max(np.abs(got - want)) < 1e-4 * np.max(np.abs(want))
+
+
 # ----------------------------------------------------------------------------- T5 buckets
 def test_t5_buckets_match_hand_computed_values():
     # num_buckets 32, max_distance 128: distances < 16 exact, then 16 + floor(log(n/16)/log(8)*16).
@@ -237,6 +248,29 @@ def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size)
     L = mt.num_topk_bins(32, memory_size, cfg.topk_recall_target)
     assert r >= 0.9, r
     assert abs(r - (L / 32) * (1 - (1 - 1 / L) ** 32)) < 0.03  # the documented formula predicts it
+
+
+@pytest.mark.parametrize("bin_size", [4, 128, 2 ** 12])
+def test_bin_max_of_bfloat16_scores_is_exact(bin_size):
+    """bfloat16 scores widened to float32 have 16 zero low bits: the index costs no precision."""
+    x = jnp.asarray(np.random.default_rng(bin_size).standard_normal((3, 2 * 2 ** 12)), jnp.bfloat16)
+    vals, idx = mt.bin_max(x, bin_size)
+    bins = np.asarray(x, np.float32).reshape(3, -1, bin_size)
+    np.testing.assert_array_equal(vals, bins.max(-1))
+    np.testing.assert_array_equal(np.take_along_axis(bins, np.asarray(idx % bin_size)[..., None], -1)[..., 0],
+                                  bins.max(-1))
+
+
+def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095():
+    """Mixed precision searches bf16 keys with bf16 scores; against float32 exact top-k."""
+    cfg = mt.Config(memory_size=8192, segment_length=64, num_neighbors=32, head_dim=128, num_heads=1, d_model=128)
+    rng = np.random.default_rng(1)
+    q = np_unit(rng.standard_normal((1, 64, 1, 128))).astype(np.float32)
+    mk = np_unit(rng.standard_normal((1, 1, 8192, 128))).astype(np.float32)
+    _, approx = mt.memory_search(jnp.asarray(q, jnp.bfloat16), jnp.asarray(mk, jnp.bfloat16), np.ones((1, 8192), bool),
+                                 jnp.full(1, math.sqrt(128)), cfg)
+    _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
+    assert recall(np.asarray(approx), np.asarray(exact)) >= 0.95
 
 
 # ----------------------------------------------------------------------------- whole model
@@ -433,8 +467,9 @@ def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
     """Mixed precision: bf16 matmuls, activations and memory; fp32 params and softmax statistics."""
     tokens = random_tokens(9, SMALL, 2, 3)
     want, _ = stream(params, tokens, SMALL)
-    got, state = stream(params, tokens, SMALL.replace(dtype="bfloat16", memory_dtype="bfloat16"))
-    assert got.dtype == jnp.float32 and state.mem_k.dtype == jnp.bfloat16
+    got, state = stream(params, tokens, SMALL.replace(dtype="bfloat16"))
+    assert got.dtype == jnp.float32 and state.mem_k.dtype == state.cache_k.dtype == jnp.bfloat16  # as dtype
+    assert mt.init_state(SMALL.replace(dtype="bfloat16", memory_dtype="float32"), 1).mem_k.dtype == jnp.float32
     assert np.all(np.isfinite(got))
     # bf16 keeps 8 bits of mantissa: logits agree to a few hundredths of their spread.
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 0.1 * np.std(np.asarray(want)) + 0.05

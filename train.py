@@ -330,7 +330,8 @@ def build_parser():
                    help="exact top-k instead of the binned approximate top-k")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation and matmul precision "
                    "(params, softmax statistics and the loss stay float32)")
-    p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache")
+    p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache "
+                   "(default: the same as --dtype)")
     p.add_argument("--lr", type=float, help="base learning rate (1.0 in the paper)")
     p.add_argument("--init-prev-token-bias", type=float, help="initial T5 bias at distance 1 in half of the "
                    "first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
