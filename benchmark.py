@@ -95,14 +95,17 @@ def device_name():
 def profile_steps(run_step, steps, hlo_text, out_dir, tag):
     """Time per XLA operation over `steps` steps, from a jax.profiler trace.
 
-    Sums the duration of every traced event that names an HLO operation of the step's module
-    (GPU kernels on a GPU; thunks on a CPU, where parallel threads add up to more than the
-    wall time) and maps each operation to the JAX operation it came from (HLO metadata).
-    Writes the trace, the HLO and the table to out_dir; returns the table, longest first.
+    Sums the duration of every traced event of the step's module: kernels on a GPU (inside a
+    CUDA graph, XLA's "command buffer", a kernel is named after its fusion), thunks on a CPU
+    (where parallel threads add up to more than the wall time). Each operation is mapped to
+    the JAX operation it came from (HLO metadata); library matmuls carry none. Writes the
+    trace, the HLO and the tables to out_dir; returns the table by JAX operation, longest first.
     """
     import jax
     from jax.profiler import ProfileData
-    source = dict(re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M))
+    normal = lambda name: re.sub(r"[.\-]", "_", name)
+    source = {normal(name): op for name, op in re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]*)"',
+                                                        hlo_text, re.M)}
     module = re.search(r"^HloModule (\S+?),", hlo_text, re.M)
     module = module.group(1) if module else ""
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -113,7 +116,7 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
         trace = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
         shutil.copy(trace, os.path.join(out_dir, f"trace_{tag}.xplane.pb"))
         profile = ProfileData.from_file(trace)
-    per_op, lines = collections.Counter(), collections.Counter()
+    per_op = collections.Counter()
     for plane in profile.planes:
         if not plane.name.startswith(("/device:", "/host:CPU")):
             continue
@@ -121,16 +124,20 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
             for event in line.events:
                 stats = dict(event.stats)
                 if "hlo_op" in stats and stats.get("hlo_module", module) == module:
-                    per_op[stats["hlo_op"]] += event.duration_ns
-                    lines[f"{plane.name} {line.name}"] += event.duration_ns
-    total = sum(per_op.values()) or 1
-    table = [{"op": op, "ms_per_step": ns / steps / 1e6, "share": ns / total, "source": source.get(op, "")}
-             for op, ns in per_op.most_common()]
+                    op = event.name if stats["hlo_op"].startswith("command_buffer") else stats["hlo_op"]
+                    per_op[op] += event.duration_ns / steps / 1e6
+    total = sum(per_op.values()) or 1.0
+    label = lambda op: re.sub(r"^jit\(\w+\)/", "", source.get(normal(op), "")) or (
+        "library matmul" if op.startswith(("nvjet", "sm90", "sm80", "cutlass", "gemm")) else f"({op})")
+    by_source = collections.Counter()
+    for op, ms in per_op.items():
+        by_source[label(op)] += ms
+    ops = [{"op": op, "ms_per_step": ms, "share": ms / total, "source": label(op)} for op, ms in per_op.most_common()]
+    table = [{"source": src, "ms_per_step": ms, "share": ms / total} for src, ms in by_source.most_common()]
     with open(os.path.join(out_dir, f"step_{tag}.hlo.txt"), "w") as f:
         f.write(hlo_text)
     with open(os.path.join(out_dir, f"profile_{tag}.json"), "w") as f:
-        json.dump({"module": module, "steps": steps, "ms_per_step": total / steps / 1e6,
-                   "by_line": {k: v / steps / 1e6 for k, v in lines.items()}, "ops": table}, f, indent=1)
+        json.dump({"module": module, "steps": steps, "ms_per_step": total, "by_source": table, "ops": ops}, f, indent=1)
     return table
 
 
@@ -169,7 +176,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             params, opt_state, state, m = step(params, opt_state, state, batch_arrays)
             jax.block_until_ready(m)
         hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
-        top_ops = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")[:12]
+        top_ops = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")[:15]
     fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
     fwd_times = []
     for _ in range(steps + 2):
@@ -278,10 +285,10 @@ def main(argv=None):
     for r in rows:
         print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} {r['forward_floor_ratio']:>7.3f}")
     for r in rows if args.profile else ():
-        print(f"\nwhere the step's time goes, memory {r['memory_size']} (ms per step; {args.profile}/profile_M"
-              f"{r['memory_size']}.json has every operation)")
+        print(f"\nwhere the step's time goes, memory {r['memory_size']}: ms per step by the JAX operation it came "
+              f"from ({args.profile}/profile_M{r['memory_size']}.json has every XLA operation)")
         for op in r["profile"]:
-            print(f"{op['ms_per_step']:>9.2f} {op['share']:>6.1%}  {op['op'][:32]:<32}  {op['source'][-90:]}")
+            print(f"{op['ms_per_step']:>9.2f} {op['share']:>6.1%}  {op['source'][-100:]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -212,8 +212,11 @@ def cmd_recall(args):
             a, b = la["slots"][0].reshape(-1, K), le["slots"][0].reshape(-1, K)  # [H * T, K]
             hits += sum(len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist()))
             total += b.size
+    if not total:
+        raise UsageError(f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
+                         f"pick a longer one with --doc.")
     bins = mt.num_topk_bins(K, config.memory_size, config.topk_recall_target)
-    result = {"memory_size": config.memory_size, "k": K, "bins": bins, "recall": hits / max(total, 1),
+    result = {"memory_size": config.memory_size, "k": K, "bins": bins, "recall": hits / total,
               "expected_random": (bins / K) * (1 - (1 - 1 / bins) ** K), "retrievals": total // K}
     print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
           f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")

@@ -242,12 +242,19 @@ def relative_position_bucket(relative_position, num_buckets=32, max_distance=128
 
 
 def masked_softmax(logits, valid):
-    """Softmax over the last axis restricted to `valid`; a row with nothing valid is all 0."""
-    logits = jnp.where(valid, logits.astype(jnp.float32), NEG_INF)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    p = jnp.where(valid, jnp.exp(logits - jax.lax.stop_gradient(top)), 0.0)
-    total = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.maximum(total, 1e-30), total[..., 0] > 0
+    """Softmax over the last axis restricted to `valid`; a row with nothing valid is all 0.
+
+    Returns the weights and whether the row had anything valid (the last axis reduced)."""
+    any_valid = jnp.any(valid, axis=-1, keepdims=True)
+    weights = jax.nn.softmax(jnp.where(valid, logits.astype(jnp.float32), NEG_INF), axis=-1)
+    return weights * any_valid, any_valid[..., 0]
+
+
+def matmul_precision(config):
+    """bfloat16 runs: matmuls with float32 outputs still take bf16 inputs, in the backward pass
+    too (a float32 cotangent would otherwise make them float32, i.e. TF32-class, matmuls).
+    float32 runs: the backend's default (see the README on GPUs)."""
+    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if config.dtype == "bfloat16" else None
 
 
 def local_attention(q, k, v, key_valid, rel_bias, scale, config):
@@ -264,9 +271,13 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     dist = q_pos - k_pos  # [T, S]
     window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
     buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
-    bias = jnp.transpose(rel_bias[buckets], (2, 0, 1))  # [H, T, S]
-    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-    logits = logits * scale[None, :, None, None] + bias[None]  # [B, H, T, S]
+    # The T5 bias looked up as a one-hot product, rel_bias[buckets]: its gradient is then a
+    # matmul, not a scatter-add of T * S entries into num_buckets slots.
+    one_hot = jax.nn.one_hot(buckets, config.num_buckets, dtype=rel_bias.dtype)  # [T, S, N]
+    bias = jnp.einsum("tsn,nh->hts", one_hot, rel_bias)  # [H, T, S]
+    qs = q * scale.astype(q.dtype)[None, None, :, None]  # [B, T, H, D]: the per-head scale on the queries
+    logits = jnp.einsum("bthd,bshd->bhts", qs, k, preferred_element_type=jnp.float32,
+                        precision=matmul_precision(config)) + bias[None]  # [B, H, T, S]
     valid = window[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
     weights, _ = masked_softmax(logits, valid)  # [B, H, T, S]
     return jnp.einsum("bhts,bshd->bthd", weights.astype(v.dtype), v)  # [B, T, H, D]
@@ -341,7 +352,7 @@ def memory_search(q, mem_k, mem_valid, scale, config):
         bin_size = 1
         while chunk % (2 * bin_size) == 0 and 2 * bin_size <= M // bins:
             bin_size *= 2
-    qs = jax.lax.stop_gradient(q) * scale.astype(q.dtype)[None, None, :, None]  # [B, T, H, D]
+    qs = jax.lax.stop_gradient(q * scale.astype(q.dtype)[None, None, :, None])  # [B, T, H, D]
     qs = jnp.transpose(qs, (0, 2, 1, 3))  # [B, H, T, D]
 
     def candidates(_, i):
@@ -478,8 +489,8 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         new_k.append(jax.lax.stop_gradient(k))
         new_v.append(jax.lax.stop_gradient(v))
 
-    logits = jnp.einsum("bte,ev->btv", rms_norm(x, params["final_norm"]),
-                        params["w_out"].astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]
+    logits = jnp.einsum("bte,ev->btv", rms_norm(x, params["final_norm"]), params["w_out"].astype(dt),
+                        preferred_element_type=jnp.float32, precision=matmul_precision(c))  # [B, T, V]
     cdt = state.cache_k.dtype
     if c.xl_cache:
         cache_k = jnp.stack(new_k, axis=1).astype(cdt)  # [B, L, T, H, D]

@@ -111,6 +111,13 @@ def test_recall_on_real_keys_of_a_trained_model_is_high_but_below_one_when_binne
     assert 0.8 <= r["recall"] < 1.0
 
 
+def test_recall_on_a_document_too_short_to_retrieve_from_is_refused(run_dir, capsys):
+    """One segment (FAST: T = 32) holds no earlier memories: a recall of 0 on 0 queries is no answer."""
+    assert evaluate.main(["recall", run_dir, "--max-tokens", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "no query had 8 memories" in err and err.count("\n") == 1
+
+
 def test_broken_runs_and_bad_paths_get_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
     import shutil
     broken = tmp_path / "broken"

@@ -279,7 +279,7 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
     out = tmp_path / "rows.json"
     # Memory 512 at the preset's batch is the smoke run's config: its compiled step is cached.
     proc = subprocess.run([sys.executable, "benchmark.py", "--memory-sizes", "0,512", "--steps", "1",
-                           "--json", str(out)], cwd=HERE, capture_output=True, text=True)
+                           "--json", str(out), "--profile", str(tmp_path / "prof")], cwd=HERE, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     assert [r["memory_size"] for r in rows] == [0, 512]
@@ -288,7 +288,14 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
         assert r["step_s"] > 0 and r["peak_bytes"] > 0
     assert rows[0]["ratio"] == 1.0 and rows[0]["floor_ratio"] == 1.0 and rows[0]["recall"] is None
     assert rows[1]["floor_ratio"] > 1.0 and 0.9 <= rows[1]["recall"] <= 1.0
-    assert "device: CPU" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
+    assert rows[0]["peak_growth"] is None and rows[1]["peak_growth"] is not None
+    device = "CPU" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+    assert f"device: {device}" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
+    # --profile: the operations that took the time, each named after the JAX operation it came from.
+    prof = json.loads((tmp_path / "prof" / "profile_M512.json").read_text())
+    assert prof["ms_per_step"] > 0 and prof["ops"] and any("dot_general" in op["source"] for op in prof["by_source"])
+    assert abs(sum(op["share"] for op in prof["by_source"]) - 1) < 1e-6
+    assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
 
 
 def test_benchmark_rejects_bad_sizes_with_exit_code_2():
