@@ -3,7 +3,7 @@
   python evaluate.py perplexity RUN_DIR [--memory-size M] [--json FILE]
   python evaluate.py compare RUN_DIR --memory-sizes A,B [--doc N] --csv FILE [--plot FILE.png]
   python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
-  python evaluate.py recall RUN_DIR [--memory-size M]
+  python evaluate.py recall RUN_DIR [--memory-size M] [--dtype bfloat16]
   python evaluate.py table [--data ...] [--steps N] [--out-root DIR]
 
 Every perplexity of a memory model comes with its memory-off ablation: the same weights with
@@ -200,6 +200,8 @@ def cmd_recall(args):
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
     if not config.active_memory_layers:
         raise UsageError(f"{args.run_dir} has no memory.")
+    if args.dtype:  # e.g. a float32 run's weights with bfloat16 keys, queries and scores
+        config = config.replace(dtype=args.dtype, memory_dtype=None)
     doc, _ = _doc(args, run_args, sp, config)
     _, approx = per_token_loss(params, config.replace(exact_topk=False), doc)
     _, exact = per_token_loss(params, config.replace(exact_topk=True), doc)
@@ -294,6 +296,8 @@ def build_parser():
     s.add_argument("--top", type=int, default=10, help="tokens to show")
     s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
     s.add_argument("--memory-size", type=int, help="evaluate with this memory size (default: the run's)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], help="run the model, store the memory and score "
+                   "the search in this dtype, the exact top-k too (default: the run's)")
     s.add_argument("--doc", type=int, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--json", help="write the result here")

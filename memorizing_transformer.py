@@ -388,16 +388,14 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config):
     mem_k, mem_v = jax.lax.stop_gradient(mem_k), jax.lax.stop_gradient(mem_v)  # [B, H, M, D]
     _, slots = memory_search(q, mem_k, mem_valid, scale, config)  # [B, H, T, K]
     take = jax.vmap(jax.vmap(lambda m, i: m[i]))  # per (b, h): [M, D], [T, K] -> [T, K, D]
-    keys = take(mem_k, slots).astype(jnp.float32)  # [B, H, T, K, D]
-    vals = take(mem_v, slots).astype(jnp.float32)  # [B, H, T, K, D]
+    keys = take(mem_k, slots).astype(q.dtype)  # [B, H, T, K, D]
+    vals = take(mem_v, slots).astype(q.dtype)  # [B, H, T, K, D]
     valid = jax.vmap(lambda m, i: m[i])(mem_valid, slots)  # [B, H, T, K]
-    # 'bhtd,bhtkd->bhtk' and 'bhtk,bhtkd->bhtd' written as products and sums, so that XLA may
-    # fuse the gathers into them rather than write out the neighbours (K times the size of q).
-    qt = jnp.transpose(q, (0, 2, 1, 3)).astype(jnp.float32)  # [B, H, T, D]
-    logits = jnp.sum(qt[:, :, :, None, :] * keys, axis=-1)  # [B, H, T, K]
+    logits = jnp.einsum("bthd,bhtkd->bhtk", q, keys, preferred_element_type=jnp.float32,
+                        precision=matmul_precision(config))  # [B, H, T, K]
     weights, has_memory = masked_softmax(logits * scale[None, :, None, None], valid)  # [B, H, T, K], [B, H, T]
-    out = jnp.sum(weights[..., None] * vals, axis=-2)  # [B, H, T, D]
-    return jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype), jnp.transpose(has_memory, (0, 2, 1)), slots, weights
+    out = jnp.einsum("bhtk,bhtkd->bthd", weights.astype(vals.dtype), vals)  # [B, T, H, D]
+    return out, jnp.transpose(has_memory, (0, 2, 1)), slots, weights
 
 
 def write_memory(mem, new, pos, axis):

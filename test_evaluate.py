@@ -109,6 +109,10 @@ def test_recall_on_real_keys_of_a_trained_model_is_high_but_below_one_when_binne
     r = json.loads(out.read_text())
     assert r["bins"] == 128 and r["retrievals"] > 0  # k = 8: 128 bins of 4 slots
     assert 0.8 <= r["recall"] < 1.0
+    # The same weights in bfloat16 (keys, queries, memory and scores): still mostly found.
+    assert evaluate.main(["recall", run_dir, "--memory-size", "512", "--max-tokens", "600", "--dtype", "bfloat16",
+                          "--json", str(out)]) == 0
+    assert 0.8 <= json.loads(out.read_text())["recall"] < 1.0
 
 
 def test_recall_on_a_document_too_short_to_retrieve_from_is_refused(run_dir, capsys):
