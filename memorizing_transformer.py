@@ -96,7 +96,8 @@ class Config:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
         if self.memory_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"memory_dtype must be 'float32', 'bfloat16' or None (as dtype), got {self.memory_dtype!r}.")
+            raise ValueError(f"memory_dtype must be 'float32', 'bfloat16' or None (as dtype), "
+                             f"got {self.memory_dtype!r}.")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
                              f"({self.grad_accum}).")
@@ -306,8 +307,8 @@ def bin_max(scores, bin_size):
     """Each contiguous bin's best entry: scores [..., N] -> values, indices [..., N / bin_size].
 
     One fused max, no argmax pass: a float's bits, read as an int32 with the negative ones
-    negated (sign bit cleared), sort like the float; the low log2(bin_size) bits are replaced by the entry's
-    position in its bin, so the max carries its own index. Float32 values lose those low
+    negated (sign bit cleared), sort like the float; the low log2(bin_size) bits are replaced
+    by the entry's position in its bin, so the max carries its own index. Float32 values lose those low
     mantissa bits (bin_size 128: 7 of 23 bits; ranking is unchanged beyond ~1e-5 relative);
     bfloat16 scores lose nothing, as their low 16 bits are 0 once widened to float32.
     bin_size must be a power of two; 1 gives the scores back exactly.
@@ -352,11 +353,14 @@ def memory_search(q, mem_k, mem_valid, scale, config):
         bin_size = 1
         while chunk % (2 * bin_size) == 0 and 2 * bin_size <= M // bins:
             bin_size *= 2
+    # The scale inside the stop_gradient too: were the scores differentiable, JAX would
+    # linearize the chunk loop and hoist its loop-invariant parts (a [B, H, T, chunk] fill
+    # and iota) out of it, to be read back by every chunk: 4x the scores' own traffic.
     qs = jax.lax.stop_gradient(q * scale.astype(q.dtype)[None, None, :, None])  # [B, T, H, D]
     qs = jnp.transpose(qs, (0, 2, 1, 3))  # [B, H, T, D]
 
     def candidates(_, i):
-        # Slices of the memory in place: no copy of the memory is ever made.
+        # One chunk of the memory at a time (a copy of it feeds the matmul), never all of it.
         kc = jax.lax.dynamic_slice_in_dim(mem_k, i * chunk, chunk, axis=2)  # [B, H, chunk, D]
         vc = jax.lax.dynamic_slice_in_dim(mem_valid, i * chunk, chunk, axis=1)  # [B, chunk]
         # The scores are the largest tensor of a step (T per slot): they stay in the queries'
