@@ -51,13 +51,29 @@ def _read_text_file(path, stats):
 
 
 def _python_imports(text):
-    """Module names a Python file imports (`import a.b`, `from .a import b`)."""
-    return {a or b for a, b in re.findall(r"^\s*(?:from\s+\.*([\w.]+)\s+import|import\s+([\w.]+))", text, re.M)}
+    """Module names a Python file imports (`import a.b`, `from .a import b`), by their last part."""
+    found = re.findall(r"^\s*(?:from\s+\.*([\w.]+)\s+import|import\s+([\w.]+))", text, re.M)
+    return {(a or b).split(".")[-1] for a, b in found} | {(a or b).split(".")[0] for a, b in found}
+
+
+def _isabelle_imports(text):
+    """Theory names an Isabelle .thy file imports, from its header
+    `theory X imports A "B" Session.C "dir/D" [keywords ...] begin`: a session-qualified
+    name or a path counts by its last part."""
+    text = re.sub(r"\(\*.*?\*\)", " ", text, flags=re.S)  # (* comments *)
+    header = re.search(r"\btheory\s+\S+\s+imports\b(.*?)\b(?:keywords|abbrevs|begin)\b", text, re.S)
+    names = re.findall(r'"([^"]+)"|([^\s"]+)', header.group(1)) if header else []
+    return {(q or b).rstrip("/").split("/")[-1].split(".")[-1] for q, b in names}
 
 
 def _dependency_order(files):
-    """Order (name, text) pairs so that a module comes before the modules that import it."""
-    by_module = {os.path.splitext(os.path.basename(n))[0]: n for n, _ in files}
+    """Order (name, text) pairs so that a file comes after the files it imports (Python
+    modules, Isabelle theories), wherever they sit in the document; otherwise keep the order
+    given. An import names a file by its stem; of several, the one in the importer's own
+    directory wins, then the first."""
+    stems = {}
+    for n, _ in files:
+        stems.setdefault(os.path.splitext(os.path.basename(n))[0], []).append(n)
     text = dict(files)
     done, order = set(), []
 
@@ -65,8 +81,11 @@ def _dependency_order(files):
         if name in done or name in stack:
             return
         stack.add(name)
-        for imp in sorted(_python_imports(text[name])):
-            dep = by_module.get(imp.split(".")[-1]) or by_module.get(imp.split(".")[0])
+        imports = _isabelle_imports(text[name]) if name.endswith(".thy") else _python_imports(text[name])
+        for imp in sorted(imports):
+            candidates = [c for c in stems.get(imp, []) if os.path.splitext(c)[1] == os.path.splitext(name)[1]]
+            near = [c for c in candidates if os.path.dirname(c) == os.path.dirname(name)]
+            dep = (near or candidates or [None])[0]
             if dep and dep != name:
                 visit(dep, stack)
         done.add(name)
@@ -77,7 +96,7 @@ def _dependency_order(files):
     return [(n, text[n]) for n in order]
 
 
-def _walk_unit(root, rel, rng, stats, suffixes, dependency_order):
+def _walk_unit(root, rel, rng, stats, suffixes):
     """One directory as a unit (Sec. 4.1): its files and subdirectories in random order, each
     subdirectory's files contiguous. Returns [(relative name, text)]."""
     path = os.path.join(root, rel)
@@ -87,15 +106,13 @@ def _walk_unit(root, rel, rng, stats, suffixes, dependency_order):
     for e in entries:
         full, name = os.path.join(path, e), os.path.join(rel, e)
         if os.path.isdir(full) and not os.path.islink(full):
-            out.append(_walk_unit(root, name, rng, stats, suffixes, dependency_order))
+            out.append(_walk_unit(root, name, rng, stats, suffixes))
         elif os.path.isfile(full) and (not suffixes or e.endswith(suffixes)):
             text = _read_text_file(full, stats)
             if text is not None and text.strip():
                 files.append((name, text))
             elif text is not None:
                 stats["empty"] += 1
-    if dependency_order:  # the directory's files by imports, then its subdirectories
-        return [f for unit in [_dependency_order(files)] + out for f in unit]
     units = [[f] for f in files] + out  # a file, or a whole subdirectory, is one unit
     rng.shuffle(units)
     return [f for unit in units for f in unit]
@@ -108,7 +125,9 @@ def _join_files(files):
 
 def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
     """The GitHub layout: each top-level directory is one document; loose top-level files
-    form one more. dependency_order puts imported modules first (the Isabelle ordering)."""
+    form one more. dependency_order puts every file of a document after the files it imports
+    (Sec. 4.1's Isabelle ordering; Python imports too). suffixes: a tuple of file name
+    endings to read (Sec. 4.1's language filter), or None for all."""
     stats = stats if stats is not None else _new_stats()
     rng = random.Random(seed)
     docs, loose = [], []
@@ -117,7 +136,8 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
         if e.startswith(".") or e == "__pycache__":
             continue
         if os.path.isdir(full) and not os.path.islink(full):
-            files = _walk_unit(path, e, random.Random(f"{seed}/{e}"), stats, suffixes, dependency_order)
+            files = _walk_unit(path, e, random.Random(f"{seed}/{e}"), stats, suffixes)
+            files = _dependency_order(files) if dependency_order else files
             if files:
                 docs.append(Document(e, _join_files(files)))
         elif os.path.isfile(full) and (not suffixes or e.endswith(suffixes)):
@@ -125,6 +145,7 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
             if text is not None and text.strip():
                 loose.append((e, text))
     rng.shuffle(loose)
+    loose = _dependency_order(loose) if dependency_order else loose
     if loose:
         docs.append(Document("(top level)", _join_files(loose)))
     return docs
@@ -187,7 +208,7 @@ def read_stdlib(seed=0, stats=None, group=25):
         if e in ("site-packages", "__pycache__") or e.startswith("."):
             continue
         if os.path.isdir(full) and os.path.exists(os.path.join(full, "__init__.py")):
-            files = _walk_unit(root, e, random.Random(f"{seed}/{e}"), stats, (".py",), False)
+            files = _walk_unit(root, e, random.Random(f"{seed}/{e}"), stats, (".py",))
             if files:
                 docs.append(Document(e, _join_files(files)))
         elif e.endswith(".py"):
@@ -291,10 +312,14 @@ def detect_format(path):
     return "repo"
 
 
-def load_documents(source, fmt="auto", seed=0, verbose=True):
+def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
     """`source` is "stdlib", "synthetic" or a path. Returns [Document]; prints a one-line summary
-    of what was skipped. Raises DataError (one sentence) on a missing path or an empty corpus."""
+    of what was skipped. Raises DataError (one sentence) on a missing path or an empty corpus.
+    suffixes (repositories only): the file name endings to read, e.g. (".py", ".c", ".h")."""
     stats = _new_stats()
+    if suffixes and (source == "stdlib" or is_synthetic(source) or (
+            os.path.exists(source) and (detect_format(source) if fmt == "auto" else fmt) not in ("repo", "repo-deps"))):
+        raise DataError(f"--suffixes applies to a repository PATH (format repo or repo-deps), not to {source!r}.")
     if source == "stdlib":
         docs = read_stdlib(seed, stats)
     elif is_synthetic(source):  # synthetic:N = N documents
@@ -309,7 +334,7 @@ def load_documents(source, fmt="auto", seed=0, verbose=True):
         if fmt in ("repo", "repo-deps"):
             if not os.path.isdir(source):
                 raise DataError(f"data path {source!r} must be a directory for format {fmt!r}.")
-            docs = read_repo(source, seed, dependency_order=fmt == "repo-deps", stats=stats)
+            docs = read_repo(source, seed, dependency_order=fmt == "repo-deps", suffixes=suffixes, stats=stats)
         elif fmt == "text":
             docs = read_text_dir(source, stats) if os.path.isdir(source) else (
                 [Document(os.path.basename(source), t)] if (t := _read_text_file(source, stats)) and t.strip() else [])
@@ -386,10 +411,12 @@ def load_tokenizer(path):
     return sp
 
 
-def corpus_key(source, fmt, seed, docs=None):
+def corpus_key(source, fmt, seed, docs=None, suffixes=None):
     """A name for a corpus that changes when its files do (paths, sizes, mtimes), or, for
-    generated (synthetic) documents, when their text does."""
+    generated (synthetic) documents, when their text does, and with the suffixes read."""
     h = hashlib.sha256(f"{source}|{fmt}|{seed}|{sys.version}".encode())
+    if suffixes:
+        h.update(repr(tuple(suffixes)).encode())
     for d in docs if is_synthetic(source) and docs else ():
         h.update(d.text.encode())
     root = stdlib_path() if source == "stdlib" else source

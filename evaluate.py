@@ -52,15 +52,22 @@ def load_run(run_dir, memory_size=None):
 
 
 def validation_docs(args, run_args, sp, config):
-    """The run's validation documents (the same split as training), as token arrays."""
+    """The run's validation documents as training scored them, as token arrays: the same
+    split, the run's --suffixes (for its own corpus) and its --min-doc-tokens filter."""
     source = args.data or run_args["data"]
-    fmt = args.data_format or (run_args["data_format"] if source == run_args["data"] else "auto")
-    docs = data.load_documents(source, fmt, seed=0, verbose=False)
+    own = source == run_args["data"]
+    fmt = args.data_format or (run_args["data_format"] if own else "auto")
+    suffixes = train.parse_suffixes(run_args.get("suffixes")) if own else None
+    docs = data.load_documents(source, fmt, seed=0, verbose=False, suffixes=suffixes)
     _, valid = data.split_documents(docs, run_args["valid_fraction"], seed=0)
     tokens, refs = data.tokenize(valid, sp)
-    for t in tokens:
+    shortest = run_args.get("min_doc_tokens") or 0
+    kept = [(t, r) for t, r in zip(tokens, refs) if len(t) >= shortest]
+    if not kept:
+        raise UsageError(f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}.")
+    for t, _ in kept:
         mt.check_tokens(t, config.vocab_size)
-    return tokens, refs
+    return [t for t, _ in kept], [r for _, r in kept]
 
 
 def per_token_loss(params, config, doc):
@@ -91,7 +98,8 @@ def _stream_step(config):
 def cmd_perplexity(args):
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
     docs, refs = validation_docs(args, run_args, sp, config)
-    docs = [d[:args.eval_tokens + 1] for d in docs[:args.eval_docs]]
+    eval_docs, eval_tokens = args.eval_docs or run_args["eval_docs"], args.eval_tokens or run_args["eval_tokens"]
+    docs = [d[:eval_tokens + 1] for d in docs[:eval_docs]]
     refs = [r[:len(d)] for d, r in zip(docs, refs)]
     # Synthetic data marks the referenced values: their loss is reported apart, by distance.
     distances = [data.reference_distances(d, r) for d, r in zip(docs, refs)] if any(r.any() for r in refs) else None
@@ -281,8 +289,8 @@ def build_parser():
 
     s = with_run("perplexity", "validation perplexity, with and without memory")
     s.add_argument("--memory-size", type=int, help="evaluate with this memory size (default: the run's)")
-    s.add_argument("--eval-docs", type=int, default=4, help="validation documents")
-    s.add_argument("--eval-tokens", type=int, default=4096, help="tokens from each document's start")
+    s.add_argument("--eval-docs", type=int, help="validation documents (default: the run's --eval-docs)")
+    s.add_argument("--eval-tokens", type=int, help="tokens from each document's start (default: the run's)")
     s.add_argument("--json", help="write the result here")
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
     s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")

@@ -424,11 +424,18 @@ def commit_memory(state, reset):
     is the same, and as the reads now depend on the write, XLA updates the memory in place
     instead of copying all M slots each step. A row advances only if it had something to
     append; a reset row drops its pending segment and starts empty at slot 0.
+
+    Ethics section: a reset row's memory is cleared physically, zeros and not only invalid
+    flags, so that nothing of the finished document stays in the state (nor in a checkpoint
+    of it). That is one pass over the whole memory per step.
     """
     keep = ~reset.astype(bool)  # [B]
     ok = state.pending_valid & keep[:, None]  # [B, T]
-    mem_k = write_memory(state.mem_k, state.pending_k, state.mem_pos, axis=2)  # [B, Lm, H, M, D]
-    mem_v = write_memory(state.mem_v, state.pending_v, state.mem_pos, axis=2)
+    kept = keep[:, None, None, None, None]  # [B, 1, 1, 1, 1]
+    # Zeros first, then the append (of zeros for a reset row): XLA does both in place.
+    mem_k = write_memory(jnp.where(kept, state.mem_k, 0), jnp.where(kept, state.pending_k, 0),
+                         state.mem_pos, axis=2)  # [B, Lm, H, M, D]
+    mem_v = write_memory(jnp.where(kept, state.mem_v, 0), jnp.where(kept, state.pending_v, 0), state.mem_pos, axis=2)
     mem_valid = write_memory(state.mem_valid, ok, state.mem_pos, axis=0) & keep[:, None]  # [B, M]
     advanced = (state.mem_pos + ok.shape[1] * jnp.any(ok, axis=1)) % max(mem_valid.shape[1], 1)  # [B]
     return mem_k, mem_v, mem_valid, jnp.where(keep, advanced, 0).astype(jnp.int32)

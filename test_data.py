@@ -127,6 +127,41 @@ def test_dependency_order_puts_imported_modules_first(tmp_path):
         assert [n[-4:] for n in names] == ["a.py", "b.py", "c.py"]
 
 
+def test_isabelle_theories_come_after_the_theories_they_import_across_directories(tmp_path):
+    """Sec. 4.1: the files of a theory in import order. Headers as Isabelle writes them:
+    quoted, session-qualified and path names, comments, keywords, several lines."""
+    entry = tmp_path / "Entry"
+    write(str(entry / "Base.thy"), 'theory Base\n  imports Main\nbegin\nlemma x: "True" by simp\nend\n')
+    write(str(entry / "sub" / "Middle.thy"),
+          'theory Middle (* uses Base *)\n  imports\n    "HOL-Library.Multiset" "../Base"\nbegin\nend\n')
+    write(str(entry / "Top.thy"), 'theory Top imports Entry.Middle Base\n  keywords "foo" :: thy_decl\nbegin\nend\n')
+    write(str(entry / "zz" / "Other.thy"), "theory Other imports Main begin end\n")
+    for seed in range(8):
+        (doc,) = data.read_repo(str(tmp_path), seed, dependency_order=True)
+        names = [os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:")]
+        assert names.index("Base.thy") < names.index("Middle.thy") < names.index("Top.thy"), (seed, names)
+        assert sorted(names) == ["Base.thy", "Middle.thy", "Other.thy", "Top.thy"]
+
+
+def test_python_dependency_order_crosses_directories(tmp_path):
+    write(str(tmp_path / "r" / "app" / "main.py"), "from lib.util import helper\nhelper()\n")
+    write(str(tmp_path / "r" / "lib" / "util.py"), "def helper():\n    pass\n")
+    write(str(tmp_path / "r" / "lib" / "more.py"), "x = 1\n")
+    for seed in range(8):
+        (doc,) = data.read_repo(str(tmp_path), seed, dependency_order=True)
+        names = [os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:")]
+        assert names.index("util.py") < names.index("main.py"), (seed, names)
+
+
+def test_suffixes_keep_only_the_named_languages(tmp_path):
+    for name in ("a.py", "b.c", "c.h", "README.md", "d.js"):
+        write(str(tmp_path / "r" / name), "text\n")
+    (doc,) = data.load_documents(str(tmp_path), "repo", suffixes=(".py", ".c", ".h"), verbose=False)
+    names = sorted(os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:"))
+    assert names == ["a.py", "b.c", "c.h"]
+    assert data.corpus_key(str(tmp_path), "repo", 0, suffixes=(".py",)) != data.corpus_key(str(tmp_path), "repo", 0)
+
+
 def test_split_is_disjoint_deterministic_and_covers_everything():
     docs = [data.Document(f"d{i}", "x") for i in range(50)]
     train, valid = data.split_documents(docs, 0.1, seed=3)

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+import data
 import evaluate
 import memorizing_transformer as mt
 import train
@@ -45,6 +46,24 @@ def test_perplexity_matches_the_training_runs_final_evaluation(run_dir, tmp_path
     assert r["tokens"] == ev["tokens"]
     assert r["perplexity"] == pytest.approx(ev["perplexity"], rel=1e-5)
     assert r["perplexity_memory_off"] == pytest.approx(ev["perplexity_memory_off"], rel=1e-5)
+
+
+def test_perplexity_scores_by_default_what_the_run_scored(run_dir, tmp_path):
+    """The run's own --eval-docs, --eval-tokens and --min-doc-tokens filter (Sec. 4.1's
+    C4(4K+)) are evaluate.py's defaults: with no flags, `perplexity` equals eval.json."""
+    sp = data.load_tokenizer(f"{run_dir}/tokenizer.model")
+    _, valid = data.split_documents(data.load_documents("synthetic:40", verbose=False), 0.25, seed=0)
+    lengths = sorted(len(t) for t in data.tokenize(valid, sp)[0])
+    cut = lengths[len(lengths) // 2]  # the shorter documents go
+    assert lengths[0] < cut
+    out = tmp_path / "run"
+    assert train.main(FAST + ["--steps", "1", "--valid-fraction", "0.25", "--min-doc-tokens", str(cut),
+                              "--eval-docs", "3", "--eval-tokens", "100", "--tokenizer", f"{run_dir}/tokenizer.model",
+                              "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert evaluate.main(["perplexity", str(out), "--json", str(tmp_path / "p.json")]) == 0
+    ev, r = json.loads((out / "eval.json").read_text()), json.loads((tmp_path / "p.json").read_text())
+    assert r["tokens"] == ev["tokens"] == 300
+    assert r["perplexity"] == pytest.approx(ev["perplexity"], rel=1e-5)
 
 
 def test_compare_with_equal_memory_sizes_gives_zero_delta_everywhere(run_dir, tmp_path, capsys):

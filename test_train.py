@@ -241,11 +241,29 @@ def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cac
     (["--resume", "--init-from", "x"], "cannot be combined"),
     (["--min-doc-tokens", "100000"], "no document of at least 100000 tokens"),
     (["--data", "synthetic:0"], "synthetic:N"),
+    (["--d-model", "100"], "must equal d_model (100)"),
+    (["--num-layers", "2"], "memory layer index 2 is out of range for 2 layers"),
+    (["--suffixes", ".py,,.c"], "comma-separated file name endings"),
+    (["--suffixes", ".py"], "--suffixes applies to a repository PATH"),
 ])
 def test_bad_flags_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys, flags, message):
     assert run(tmp_path / "bad", cache, *flags) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_model_size_flags_set_the_config_and_the_parameter_shapes(tmp_path, cache):
+    """Sec. 4.5 trains other sizes: every size field of Config has its flag."""
+    assert run(tmp_path / "r", cache, "--steps", "1", "--d-model", "48", "--num-heads", "3", "--head-dim", "16",
+               "--d-ff", "96", "--num-layers", "2", "--memory-layers", "1", "--vocab-size", "1024") == 0
+    with open(tmp_path / "r" / "config.json") as f:
+        c = json.load(f)["config"]
+    assert (c["d_model"], c["num_heads"], c["head_dim"], c["d_ff"], c["num_layers"], c["vocab_size"]) == \
+        (48, 3, 16, 96, 2, 1024)
+    _, arrays = train.load_checkpoint(str(tmp_path / "r" / "checkpoint.npz"))
+    assert arrays["params['embed']"].shape == (1024, 48) and arrays["params['w_out']"].shape == (48, 1024)
+    assert arrays["params['layers'][1]['wq']"].shape == (48, 3, 16) and arrays["params['layers'][1]['w1']"].shape == (48, 96)
+    assert "params['layers'][2]['wq']" not in arrays
 
 
 def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
@@ -362,6 +380,33 @@ def test_a_non_finite_loss_stops_training_naming_the_step_and_keeps_the_last_che
     err = capsys.readouterr().err
     assert "non-finite at step 3;" in err and "is kept" in err and err.count("\n") == 1
     assert (out / "checkpoint.npz").read_bytes() == before
+
+
+def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_document(tmp_path):
+    """Ethics section: clearing the memory at a document's end must clear it physically. Row 0
+    reads a secret document of 3 segments, then starts another; every key and value vector
+    the secret produced (any layer) is searched for in row 0 of every saved state array."""
+    cfg = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=8,
+                    memory_layers=(1,), memory_size=32, num_neighbors=4, batch_size=2)
+    params = mt.init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    fwd = jax.jit(mt.forward, static_argnums=4)
+    state, secret = mt.init_state(cfg, 2), set()
+    for n in range(3):
+        _, state = fwd(params, state, rng.integers(0, 64, (2, 8)), jnp.full(2, n == 0), cfg)
+        for a in (state.cache_k, state.cache_v):  # every layer's keys and values of the segment
+            secret |= {v.tobytes() for v in np.asarray(a[0]).reshape(-1, cfg.head_dim)}
+    _, state = fwd(params, state, rng.integers(0, 64, (2, 8)), jnp.array([True, False]), cfg)
+    path = str(tmp_path / "checkpoint.npz")
+    train.save_checkpoint(path, 4, params, {}, state, {})
+    _, arrays = train.load_checkpoint(path)
+    found, rows_1 = [], 0
+    for name, a in arrays.items():
+        if name.startswith("state") and a.dtype == np.float32:
+            found += [name for v in a[0].reshape(-1, cfg.head_dim) if v.tobytes() in secret]
+            rows_1 += sum(v.any() for v in a[1].reshape(-1, cfg.head_dim))
+    assert not found, sorted(set(found))
+    assert rows_1 > 0  # the other row keeps its document
 
 
 def test_gradient_accumulation_gives_the_same_step_as_one_big_batch():

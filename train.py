@@ -315,8 +315,16 @@ def build_parser():
     p.add_argument("--data-format", default="auto", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
                    help="how to read PATH: repo = a directory per document, repo-deps = same in import "
                    "order, text = one .txt file per document, jsonl = one {'text': ...} per line")
+    p.add_argument("--suffixes", help="for a repository PATH, read only files ending in these, comma-separated, "
+                   "e.g. .py,.c,.h (Sec. 4.1 keeps a repository's source files); default: every file")
     p.add_argument("--min-doc-tokens", type=int, default=0, help="drop documents shorter than this "
                    "(4096 gives the paper's C4(4K+))")
+    p.add_argument("--vocab-size", type=int, help="SentencePiece vocabulary size V")
+    p.add_argument("--d-model", type=int, help="model width E (= num heads x head dim)")
+    p.add_argument("--num-layers", type=int, help="transformer layers L")
+    p.add_argument("--num-heads", type=int, help="attention heads H")
+    p.add_argument("--head-dim", type=int, help="dimension D of each head")
+    p.add_argument("--d-ff", type=int, help="hidden width F of the feed-forward blocks")
     p.add_argument("--steps", type=int, help="training steps (preset's value if unset)")
     p.add_argument("--batch-size", type=int, help="batch rows; each row streams documents in order")
     p.add_argument("--grad-accum", type=int, help="micro-batches per step (rows are split between them)")
@@ -336,7 +344,9 @@ def build_parser():
     p.add_argument("--init-prev-token-bias", type=float, help="initial T5 bias at distance 1 in half of the "
                    "first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps before square-root decay")
-    p.add_argument("--seed", type=int, help="seed for init, data order and split")
+    p.add_argument("--seed", type=int, help="seed for the initialization and the order in which batch rows take "
+                   "training documents; the train/validation split and the traversal of repositories are fixed "
+                   "(seed 0), so runs with different seeds are scored on the same validation documents")
     p.add_argument("--out", help="output directory (default runs/<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--init-from", metavar="RUN_DIR", help="start from another run's weights (a different "
@@ -352,11 +362,26 @@ def build_parser():
     return p
 
 
+def parse_suffixes(text):
+    """--suffixes ".py,.c,.h" -> (".py", ".c", ".h"); None -> None."""
+    if text is None:
+        return None
+    suffixes = tuple(x.strip() for x in text.split(","))
+    if not all(suffixes):
+        raise UsageError(f"--suffixes takes comma-separated file name endings such as .py,.c,.h, got {text!r}.")
+    return suffixes
+
+
 def prepare_data(config, args, tokenizer_path=None):
     """Documents -> tokenizer -> (train tokens, validation tokens, tokenizer path)."""
-    docs = data.load_documents(args.data, args.data_format, seed=0)
+    suffixes = parse_suffixes(args.suffixes)
+    try:
+        os.makedirs(args.cache_dir, exist_ok=True)
+    except OSError:
+        raise UsageError(f"cannot create the cache directory {args.cache_dir}.") from None
+    docs = data.load_documents(args.data, args.data_format, seed=0, suffixes=suffixes)
     train_docs, valid_docs = data.split_documents(docs, args.valid_fraction, seed=0)
-    key = data.corpus_key(args.data, args.data_format, 0, docs)
+    key = data.corpus_key(args.data, args.data_format, 0, docs, suffixes)
     if tokenizer_path:
         sp, tok_path = data.load_tokenizer(tokenizer_path), tokenizer_path
     else:
@@ -404,8 +429,8 @@ def train(args):
         config = saved["config"]
         if args.steps:
             config = config.replace(steps=args.steps)
-        for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens"):
-            setattr(args, k, saved["args"][k])
+        for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
+            setattr(args, k, saved["args"].get(k))
         tokenizer = os.path.join(out, "tokenizer.model")
     else:
         try:
