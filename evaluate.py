@@ -44,7 +44,7 @@ def load_run(run_dir, memory_size=None):
             raise UsageError(str(e)) from None
     ckpt = os.path.join(run_dir, "checkpoint.npz")
     _, arrays = train.load_checkpoint(ckpt)
-    params = train._fill(mt.init_params(config, jax.random.PRNGKey(0)), arrays, "params", ckpt,
+    params = train.restore_tree(mt.init_params(config, jax.random.PRNGKey(0)), arrays, "params", ckpt,
                          # a run trained without memory, evaluated with one, gets fresh gates (g = 0.5)
                          strict=not config.active_memory_layers or any("gate_bias" in k for k in arrays))
     sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))

@@ -9,6 +9,7 @@ Everything a run produces goes to --out: config.json, metrics.jsonl (one JSON ob
 logged step and per evaluation), eval.json, tokenizer.model and checkpoint.npz.
 """
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -249,8 +250,10 @@ def save_checkpoint(path, step, params, opt_state, state, data_position):
             os.remove(tmp)
 
 
-def _fill(template, arrays, prefix, path, strict=True):
-    """Arrays of a checkpoint in the template's structure; shapes must match."""
+def restore_tree(template, arrays, prefix, path, strict=True):
+    """The arrays of a checkpoint (load_checkpoint) under `prefix` ("params", "opt", "state"),
+    in the template's structure and dtypes; shapes must match. strict=False lets leaves the
+    checkpoint lacks keep the template's values (a gate added to a run without memory)."""
     leaves = []
     for p, x in jax.tree_util.tree_flatten_with_path(template)[0]:
         key = prefix + jax.tree_util.keystr(p)
@@ -411,8 +414,8 @@ def shard(tree, mesh, spec):
     return jax.device_put(tree, NamedSharding(mesh, spec))
 
 
-def train(args):
-    t_start = time.time()
+def run_config(args):
+    """Check the flags; return the run's output directory, config and tokenizer (None: train one)."""
     for name in ("log_every", "save_every", "eval_docs", "eval_tokens"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
@@ -421,14 +424,11 @@ def train(args):
     if args.resume and not args.out:
         raise UsageError("--resume needs --out, the run to continue.")
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    ckpt_path = os.path.join(out, "checkpoint.npz")
-    if args.resume:
+    if args.resume:  # the run's own config, data flags and tokenizer; --steps may extend it
         if not os.path.isfile(os.path.join(out, "config.json")):
             raise UsageError(f"there is no run to resume in {out} (no config.json).")
         saved = read_run_config(out)
-        config = saved["config"]
-        if args.steps:
-            config = config.replace(steps=args.steps)
+        config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
             setattr(args, k, saved["args"].get(k))
         tokenizer = os.path.join(out, "tokenizer.model")
@@ -449,87 +449,105 @@ def train(args):
         os.remove(probe)
     except OSError:
         raise UsageError(f"cannot write to the output directory {out}.") from None
+    if config.batch_size % (jax.device_count() * config.grad_accum):
+        raise UsageError(f"batch_size {config.batch_size} must be divisible by {jax.device_count()} devices x "
+                         f"grad_accum {config.grad_accum}.")
+    return out, config, tokenizer
 
+
+def initial_state(config, args, out, stream):
+    """(params, optimizer state, model state, step): fresh, or resumed from the checkpoint in
+    --out (the data stream is moved to where it stopped), or with --init-from's weights."""
+    params = mt.init_params(config, jax.random.PRNGKey(config.seed))
+    opt_state = make_optimizer(config)[0](params)
+    state = mt.init_state(config, config.batch_size)
+    if args.resume:
+        path = os.path.join(out, "checkpoint.npz")
+        meta, arrays = load_checkpoint(path)
+        params = restore_tree(params, arrays, "params", path)
+        opt_state = restore_tree(opt_state, arrays, "opt", path)
+        state = mt.State(**restore_tree(state._asdict(), arrays, "state", path))
+        stream.restore(meta["data_position"])
+        _truncate_metrics(os.path.join(out, "metrics.jsonl"), meta["step"])
+        return params, opt_state, state, meta["step"]
+    if args.init_from:
+        path = os.path.join(args.init_from, "checkpoint.npz")
+        params = restore_tree(params, load_checkpoint(path)[1], "params", path, strict=False)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({"config": dataclasses.asdict(config), "args": vars(args)}, f, indent=2)
+    open(os.path.join(out, "metrics.jsonl"), "w").close()
+    return params, opt_state, state, 0
+
+
+def distribute(params, opt_state, state):
+    """With several devices, data parallelism: batch rows (and their memories) sharded,
+    params replicated. Returns the three, and how to place a batch."""
+    if jax.device_count() == 1:
+        return params, opt_state, state, lambda batch: batch
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    return (shard(params, mesh, P()), shard(opt_state, mesh, P()), shard(state, mesh, P("data")),
+            lambda batch: shard(batch, mesh, P("data")))
+
+
+@contextlib.contextmanager
+def interrupt_flag():
+    """Ctrl-C and SIGTERM set flag["signal"] instead of stopping: the loop saves and exits."""
+    flag = {"signal": None}
+    old = {s: signal.signal(s, lambda signum, _: flag.update(signal=signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def log_step(log, step, metrics, config, tokens_per_s):
+    """One training line: to metrics.jsonl (JSON) and to stdout."""
+    rec = {"step": step, "loss": float(metrics["loss"]), "perplexity": math.exp(min(float(metrics["loss"]), 50)),
+           "lr": float(learning_rate(step, config.lr, config.warmup_steps)), "tokens_per_s": tokens_per_s}
+    rec.update({k: float(v) for k, v in metrics.items() if k.startswith(("gate", "memory"))})
+    log.write(json.dumps(rec) + "\n")
+    log.flush()
+    gates = " ".join(f"g{k[5:]} {v:.3f}" for k, v in rec.items() if k.startswith("gate_"))
+    fill = f" fill {rec['memory_fill']:.2f}" if "memory_fill" in rec else ""
+    print(f"step {step:6d} | loss {rec['loss']:.4f} | ppl {rec['perplexity']:9.2f} | lr {rec['lr']:.2e} | "
+          f"{rec['tokens_per_s']:8.0f} tok/s{fill} {gates}", flush=True)
+
+
+def train(args):
+    t_start = time.time()
+    out, config, tokenizer = run_config(args)
+    ckpt_path = os.path.join(out, "checkpoint.npz")
     train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
     if os.path.abspath(tok_path) != os.path.abspath(os.path.join(out, "tokenizer.model")):
         with open(tok_path, "rb") as src, open(os.path.join(out, "tokenizer.model"), "wb") as dst:
             dst.write(src.read())
     stream = data.segment_batches(train_tokens, config.batch_size, config.segment_length, config.seed)
-    n_dev = jax.device_count()
-    if config.batch_size % (n_dev * config.grad_accum):
-        raise UsageError(f"batch_size {config.batch_size} must be divisible by {n_dev} devices x grad_accum {config.grad_accum}.")
-
-    rng = jax.random.PRNGKey(config.seed)
-    params = mt.init_params(config, rng)
-    opt_state = make_optimizer(config)[0](params)
-    state = mt.init_state(config, config.batch_size)
-    step = 0
-    if args.resume:
-        meta, arrays = load_checkpoint(ckpt_path)
-        params = _fill(params, arrays, "params", ckpt_path)
-        opt_state = _fill(opt_state, arrays, "opt", ckpt_path)
-        state = mt.State(**_fill(state._asdict(), arrays, "state", ckpt_path))
-        step = meta["step"]
-        stream.restore(meta["data_position"])
-        _truncate_metrics(os.path.join(out, "metrics.jsonl"), step)
-    elif args.init_from:
-        src = os.path.join(args.init_from, "checkpoint.npz")
-        _, arrays = load_checkpoint(src)
-        params = _fill(params, arrays, "params", src, strict=False)
-    if not args.resume:
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump({"config": dataclasses.asdict(config), "args": vars(args)}, f, indent=2)
-        open(os.path.join(out, "metrics.jsonl"), "w").close()
-
-    if n_dev > 1:  # data parallelism: rows (and their memories) sharded, params replicated
-        from jax.sharding import Mesh, PartitionSpec as P
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        params, opt_state = shard(params, mesh, P()), shard(opt_state, mesh, P())
-        state = shard(state, mesh, P("data"))
-        place = lambda batch: shard(batch, mesh, P("data"))
-    else:
-        place = lambda batch: batch
-    train_step = make_train_step(step_config(config))
-    eval_step = make_eval_step(step_config(config))
+    params, opt_state, state, step = initial_state(config, args, out, stream)
+    params, opt_state, state, place = distribute(params, opt_state, state)
+    train_step, eval_step = make_train_step(step_config(config)), make_eval_step(step_config(config))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"run {out}: {n_params / 1e6:.2f}M params, {sum(map(len, train_tokens)) / 1e6:.2f}M train tokens, "
           f"{len(train_tokens)} train / {len(valid_tokens)} valid documents, device {jax.devices()[0].platform}"
-          f" x{n_dev}, memory {config.memory_size} in layers {list(config.active_memory_layers)}", flush=True)
+          f" x{jax.device_count()}, memory {config.memory_size} in layers {list(config.active_memory_layers)}",
+          flush=True)
 
-    stop = {"signal": None}
-
-    def on_signal(signum, _):
-        stop["signal"] = signum
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    log = open(os.path.join(out, "metrics.jsonl"), "a")
-    t_log, tokens_since = time.time(), 0
-    try:
+    with interrupt_flag() as stop, open(os.path.join(out, "metrics.jsonl"), "a") as log:
+        t_log, tokens_since = time.time(), 0
         while step < config.steps:
             batch = next(stream)
             mt.check_tokens(batch["tokens"], config.vocab_size)
-            feed = place({k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
-            new = train_step(params, opt_state, state, feed)
+            new = train_step(params, opt_state, state, place({k: batch[k] for k in ("tokens", "targets", "mask", "reset")}))
             metrics = jax.device_get(new[3])
             if not metrics["finite"]:  # a non-finite loss, or weights that overflowed in the update
                 print(f"error: the loss or the weights became non-finite at step {step + 1}; stopped, the last "
                       f"checkpoint ({ckpt_path}) is kept.", file=sys.stderr)
                 return 3
-            params, opt_state, state = new[:3]
-            step += 1
+            (params, opt_state, state), step = new[:3], step + 1
             tokens_since += int(metrics["tokens"])
             if step % args.log_every == 0 or step == config.steps:
-                now = time.time()
-                rec = {"step": step, "loss": float(metrics["loss"]), "perplexity": math.exp(min(float(metrics["loss"]), 50)),
-                       "lr": float(learning_rate(step, config.lr, config.warmup_steps)),
-                       "tokens_per_s": tokens_since / (now - t_log)}
-                rec.update({k: float(v) for k, v in metrics.items() if k.startswith(("gate", "memory"))})
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-                gates = " ".join(f"g{k[5:]} {v:.3f}" for k, v in rec.items() if k.startswith("gate_"))
-                fill = f" fill {rec['memory_fill']:.2f}" if "memory_fill" in rec else ""
-                print(f"step {step:6d} | loss {rec['loss']:.4f} | ppl {rec['perplexity']:9.2f} | lr {rec['lr']:.2e} | "
-                      f"{rec['tokens_per_s']:8.0f} tok/s{fill} {gates}", flush=True)
+                log_step(log, step, metrics, config, tokens_since / (time.time() - t_log))
                 t_log, tokens_since = time.time(), 0
             if args.eval_every and step % args.eval_every == 0 and step < config.steps:
                 log.write(json.dumps(eval_record(step, params, config, valid_tokens, valid_distances, eval_step)) + "\n")
@@ -539,16 +557,11 @@ def train(args):
                 print(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with "
                       f"--out {out} --resume", file=sys.stderr)
                 return 130
-    finally:
-        log.close()
-        for s, h in old.items():
-            signal.signal(s, h)
 
-    result = full_evaluation(params, config, valid_tokens, valid_distances, eval_step)
-    ev = {"step": step, "eval_loss": result["loss"], "eval_perplexity": result["perplexity"]}
+    result = {"step": step, **full_evaluation(params, config, valid_tokens, valid_distances, eval_step)}
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({**ev, **{k: v for k, v in result.items() if k.startswith("reference_loss")}}) + "\n")
-    result = {"step": step, **result}
+        f.write(json.dumps({"step": step, "eval_loss": result["loss"], "eval_perplexity": result["perplexity"],
+                            **{k: v for k, v in result.items() if k.startswith("reference_loss")}}) + "\n")
     tmp = os.path.join(out, "eval.json.tmp")
     with open(tmp, "w") as f:
         json.dump(result, f, indent=2)
