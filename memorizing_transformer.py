@@ -416,8 +416,8 @@ def write_memory(mem, new, pos, axis):
 
 
 def commit_memory(state, reset):
-    """Append the pending segment (the last call's keys and values) to the memory, then clear
-    the rows that start a new document. Returns (mem_k, mem_v, mem_valid, mem_pos).
+    """Clear the rows that start a new document, and append the pending segment (the last
+    call's keys and values) to the others. Returns (mem_k, mem_v, mem_valid, mem_pos).
 
     Sec. 3.1 retrieves with a segment's queries and then appends its keys and values. Here
     the append is held back to the start of the next call: the memory that call searches
@@ -435,7 +435,8 @@ def commit_memory(state, reset):
     # Zeros first, then the append (of zeros for a reset row): XLA does both in place.
     mem_k = write_memory(jnp.where(kept, state.mem_k, 0), jnp.where(kept, state.pending_k, 0),
                          state.mem_pos, axis=2)  # [B, Lm, H, M, D]
-    mem_v = write_memory(jnp.where(kept, state.mem_v, 0), jnp.where(kept, state.pending_v, 0), state.mem_pos, axis=2)
+    mem_v = write_memory(jnp.where(kept, state.mem_v, 0), jnp.where(kept, state.pending_v, 0),
+                         state.mem_pos, axis=2)  # [B, Lm, H, M, D]
     mem_valid = write_memory(state.mem_valid, ok, state.mem_pos, axis=0) & keep[:, None]  # [B, M]
     advanced = (state.mem_pos + ok.shape[1] * jnp.any(ok, axis=1)) % max(mem_valid.shape[1], 1)  # [B]
     return mem_k, mem_v, mem_valid, jnp.where(keep, advanced, 0).astype(jnp.int32)
