@@ -51,7 +51,8 @@ def _read_text_file(path, stats):
 
 
 def _python_imports(text):
-    """Module names a Python file imports (`import a.b`, `from .a import b`), by their last part."""
+    """Module names a Python file imports (`import a.b`, `from .a import b`): each by its last
+    part and by its first (a and b for `import a.b`), as a file is named by its stem."""
     found = re.findall(r"^\s*(?:from\s+\.*([\w.]+)\s+import|import\s+([\w.]+))", text, re.M)
     return {(a or b).split(".")[-1] for a, b in found} | {(a or b).split(".")[0] for a, b in found}
 
