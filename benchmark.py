@@ -17,11 +17,17 @@ layer, and attention over the K retrieved pairs (forward and backward).
 operations that took the most device time (thread time on a CPU), each with the JAX
 operation it came from; DIR keeps the compiled HLO, the raw trace and the table as JSON.
 """
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
+    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+
 import argparse
 import collections
 import glob
 import json
-import os
 import re
 import resource
 import shutil
@@ -193,19 +199,28 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             jnp.dtype(c.storage_dtype).itemsize}
 
 
-def positive_int(text):
+def run_child(cmd):
+    """Run one row's process; on Ctrl-C or SIGTERM (KeyboardInterrupt here), stop it before
+    passing the interrupt on, so that no child outlives the benchmark."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+        out, err = proc.communicate()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    return proc.returncode, out, err
 
 
 def main(argv=None):
     import memorizing_transformer as mt
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    import train
+    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    positive_int = train.positive_int
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny", help="model config to time")
     p.add_argument("--batch-size", type=positive_int, help="batch rows (preset's value if unset)")
     p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory (the baseline)")
@@ -217,31 +232,38 @@ def main(argv=None):
     p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
                    "that took the most time, and keep the trace, the HLO and the table in DIR")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
+        return e.code
+    return train.run_command(benchmark, args)
+
+
+def benchmark(args):
+    import memorizing_transformer as mt
+    import train
     base = mt.PRESETS[args.preset]
     batch = args.batch_size or base.batch_size
     try:
         sizes = [int(x) for x in args.memory_sizes.split(",") if x.strip()]
-        if not sizes:
-            raise ValueError("--memory-sizes is empty.")
-        for m in sizes:
-            base.replace(memory_size=m, batch_size=batch, grad_accum=1)  # validates
-    except ValueError as e:
-        print(f"error: {e}" if "invalid literal" not in str(e) else
-              f"error: --memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.", file=sys.stderr)
-        return 2
+    except ValueError:
+        raise train.UsageError(f"--memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.") from None
+    if not sizes:
+        raise train.UsageError("--memory-sizes is empty.")
+    for m in sizes:  # every size checked before any row runs
+        try:
+            config = base.replace(memory_size=m, batch_size=batch, grad_accum=1, dtype=args.dtype)
+        except ValueError as e:
+            raise train.UsageError(str(e)) from None
+        train.check_fits(config, batch)
     if args.row is not None:
         print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile)))
         return 0
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        print(f"error: cannot write {args.json}: its directory does not exist.", file=sys.stderr)
-        return 2
+    if args.json:
+        train.check_output_file(args.json, "json")
     if args.profile:
-        try:
-            os.makedirs(args.profile, exist_ok=True)
-        except OSError:
-            print(f"error: cannot create the profile directory {args.profile}.", file=sys.stderr)
-            return 2
+        train.check_writable_dir(args.profile, "--profile")
+        os.makedirs(args.profile, exist_ok=True)
 
     rows = []
     for m in sizes:
@@ -249,11 +271,12 @@ def main(argv=None):
                "--steps", str(args.steps), "--dtype", args.dtype, "--row", str(m)]
         cmd += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
         cmd += ["--profile", args.profile] if args.profile else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            print(f"error: the row with memory size {m} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        code, stdout, stderr = run_child(cmd)
+        if code:  # the child's own last line (its error, or the last line of its traceback)
+            last = (stderr.strip().splitlines() or ["no message"])[-1]
+            print(f"error: the row with memory size {m} failed (exit code {code}): {last}", file=sys.stderr)
+            return 130 if code == 130 else 1
+        rows.append(json.loads(stdout.strip().splitlines()[-1]))
         print(f"row {m}: step {rows[-1]['step_s']:.4f} s, compiled in {rows[-1]['compile_s']:.0f} s", file=sys.stderr)
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in rows[0]["device"]), None)
@@ -290,10 +313,11 @@ def main(argv=None):
         for op in r["profile"]:
             print(f"{op['ms_per_step']:>9.2f} {op['share']:>6.1%}  {op['source'][-100:]}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        train.atomic_write(args.json, json.dumps(rows, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    import train
+    train.exit_with(code)

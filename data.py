@@ -37,9 +37,14 @@ class Document(NamedTuple):
 
 # ----------------------------------------------------------------------------- sources
 def _read_text_file(path, stats):
-    """The file's text, or None (counted in stats) if it is binary or not UTF-8."""
-    with open(path, "rb") as f:
-        raw = f.read()
+    """The file's text, or None (counted in stats) if it is binary, not UTF-8 or unreadable
+    (no permission, a symlink loop)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        stats["unreadable"] += 1
+        return None
     if b"\0" in raw:
         stats["binary"] += 1
         return None
@@ -97,18 +102,33 @@ def _dependency_order(files):
     return [(n, text[n]) for n in order]
 
 
+def _is_file_or_broken_link(path):
+    """A file to read: a regular file, or a link that leads nowhere (dangling, or a loop),
+    which _read_text_file then counts as unreadable."""
+    return os.path.isfile(path) or (os.path.islink(path) and not os.path.exists(path))
+
+
+def _listdir(path, stats):
+    """A directory's entries, sorted; an unreadable directory is counted and gives none."""
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        stats["unreadable"] += 1
+        return []
+
+
 def _walk_unit(root, rel, rng, stats, suffixes):
     """One directory as a unit (Sec. 4.1): its files and subdirectories in random order, each
     subdirectory's files contiguous. Returns [(relative name, text)]."""
     path = os.path.join(root, rel)
-    entries = sorted(e for e in os.listdir(path) if not e.startswith(".") and e != "__pycache__")
+    entries = [e for e in _listdir(path, stats) if not e.startswith(".") and e != "__pycache__"]
     rng.shuffle(entries)
     files, out = [], []
     for e in entries:
         full, name = os.path.join(path, e), os.path.join(rel, e)
         if os.path.isdir(full) and not os.path.islink(full):
             out.append(_walk_unit(root, name, rng, stats, suffixes))
-        elif os.path.isfile(full) and (not suffixes or e.endswith(suffixes)):
+        elif _is_file_or_broken_link(full) and (not suffixes or e.endswith(suffixes)):
             text = _read_text_file(full, stats)
             if text is not None and text.strip():
                 files.append((name, text))
@@ -121,7 +141,9 @@ def _walk_unit(root, rel, rng, stats, suffixes):
 
 def _join_files(files):
     """One document: a header line naming each file, then the file."""
-    return "".join(f"# file: {name}\n{text}" + ("" if text.endswith("\n") else "\n") for name, text in files)
+    # A file name that is not UTF-8 (bytes kept by Python as surrogates) is shown escaped.
+    printable = lambda name: os.fsencode(name).decode("utf-8", "backslashreplace")
+    return "".join(f"# file: {printable(name)}\n{text}" + ("" if text.endswith("\n") else "\n") for name, text in files)
 
 
 def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
@@ -132,7 +154,7 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
     stats = stats if stats is not None else _new_stats()
     rng = random.Random(seed)
     docs, loose = [], []
-    for e in sorted(os.listdir(path)):
+    for e in _listdir(path, stats):
         full = os.path.join(path, e)
         if e.startswith(".") or e == "__pycache__":
             continue
@@ -141,7 +163,7 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
             files = _dependency_order(files) if dependency_order else files
             if files:
                 docs.append(Document(e, _join_files(files)))
-        elif os.path.isfile(full) and (not suffixes or e.endswith(suffixes)):
+        elif _is_file_or_broken_link(full) and (not suffixes or e.endswith(suffixes)):
             text = _read_text_file(full, stats)
             if text is not None and text.strip():
                 loose.append((e, text))
@@ -156,7 +178,7 @@ def read_text_dir(path, stats=None):
     """The PG-19 layout: every .txt file below path is one document."""
     stats = stats if stats is not None else _new_stats()
     docs = []
-    for root, dirs, files in os.walk(path):
+    for root, dirs, files in os.walk(path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)):
         dirs.sort()
         for f in sorted(files):
             if f.endswith(".txt"):
@@ -175,22 +197,26 @@ def read_jsonl(path, stats=None):
         os.path.join(r, f) for r, _, fs in sorted(os.walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
     docs = []
     for p in paths:
-        with open(p, "rb") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line.decode("utf-8"))
-                    text = obj["text"]
-                    if not isinstance(text, str):
-                        raise TypeError
-                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-                    stats["bad_json"] += 1
-                    continue
-                if text.strip():
-                    docs.append(Document(f"{os.path.basename(p)}:{n}", text))
-                else:
-                    stats["empty"] += 1
+        try:
+            with open(p, "rb") as f:
+                lines = f.readlines()
+        except OSError:
+            stats["unreadable"] += 1
+            continue
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.decode("utf-8"))
+                text = obj["text"]
+                text.encode("utf-8")  # a lone surrogate ("\\ud800") is valid JSON but no text
+            except (UnicodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                stats["bad_json"] += 1
+                continue
+            if text.strip():
+                docs.append(Document(f"{os.path.basename(p)}:{n}", text))
+            else:
+                stats["empty"] += 1
     return docs
 
 
@@ -299,7 +325,7 @@ def reference_distances(tokens, is_reference):
 
 
 def _new_stats():
-    return {"binary": 0, "not_utf8": 0, "empty": 0, "bad_json": 0}
+    return {"binary": 0, "not_utf8": 0, "empty": 0, "bad_json": 0, "unreadable": 0}
 
 
 def detect_format(path):
@@ -386,13 +412,17 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
     normalization make decode(encode(text)) == text, newlines and indentation included."""
     import sentencepiece as spm
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_sample_lines(docs, max_chars, seed)), model_writer=model,
-        vocab_size=vocab_size, hard_vocab_limit=False, model_type="bpe", character_coverage=1.0,
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        add_dummy_prefix=False, allow_whitespace_only_pieces=True, user_defined_symbols=["\n", "\t"],
-        pad_id=PAD_ID, unk_id=1, bos_id=-1, eos_id=-1, max_sentence_length=1 << 16,
-        num_threads=os.cpu_count() or 1, minloglevel=2)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(_sample_lines(docs, max_chars, seed)), model_writer=model,
+            vocab_size=vocab_size, hard_vocab_limit=False, model_type="bpe", character_coverage=1.0,
+            byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, allow_whitespace_only_pieces=True, user_defined_symbols=["\n", "\t"],
+            pad_id=PAD_ID, unk_id=1, bos_id=-1, eos_id=-1, max_sentence_length=1 << 16,
+            num_threads=os.cpu_count() or 1, minloglevel=2)
+    except RuntimeError as e:  # e.g. a vocabulary too small for the corpus's characters
+        raise DataError(f"cannot train a tokenizer of {vocab_size} pieces on this corpus: "
+                        f"{str(e).strip().splitlines()[-1]}") from None
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(model.getvalue())
@@ -415,7 +445,7 @@ def load_tokenizer(path):
 def corpus_key(source, fmt, seed, docs=None, suffixes=None):
     """A name for a corpus that changes when its files do (paths, sizes, mtimes), or, for
     generated (synthetic) documents, when their text does, and with the suffixes read."""
-    h = hashlib.sha256(f"{source}|{fmt}|{seed}|{sys.version}".encode())
+    h = hashlib.sha256(f"{source}|{fmt}|{seed}|{sys.version}".encode("utf-8", "surrogateescape"))
     if suffixes:
         h.update(repr(tuple(suffixes)).encode())
     for d in docs if is_synthetic(source) and docs else ():
@@ -427,7 +457,7 @@ def corpus_key(source, fmt, seed, docs=None, suffixes=None):
             for f in sorted(files):
                 try:
                     st = os.stat(os.path.join(r, f))
-                    h.update(f"{r}/{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+                    h.update(os.fsencode(os.path.join(r, f)) + f":{st.st_size}:{st.st_mtime_ns}".encode())
                 except OSError:
                     pass
     return h.hexdigest()[:16]

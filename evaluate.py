@@ -10,12 +10,19 @@ Every perplexity of a memory model comes with its memory-off ablation: the same 
 every gate forced to 0 (local attention only). Memory that is present but unused looks
 like memory that works; the ablation tells them apart.
 """
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
+    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+
 import argparse
 import csv
 import functools
+import io
 import json
 import math
-import os
 import sys
 
 import jax
@@ -42,12 +49,16 @@ def load_run(run_dir, memory_size=None):
             config = config.replace(memory_size=memory_size)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    train.check_fits(config, 1)
+    sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))
+    if sp.get_piece_size() > config.vocab_size:
+        raise UsageError(f"{run_dir}/tokenizer.model has {sp.get_piece_size()} pieces, more than the run's "
+                         f"vocab_size {config.vocab_size}: it is not the run's tokenizer.")
     ckpt = os.path.join(run_dir, "checkpoint.npz")
     _, arrays = train.load_checkpoint(ckpt)
     params = train.restore_tree(mt.init_params(config, jax.random.PRNGKey(0)), arrays, "params", ckpt,
                          # a run trained without memory, evaluated with one, gets fresh gates (g = 0.5)
                          strict=not config.active_memory_layers or any("gate_bias" in k for k in arrays))
-    sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))
     return config, params, sp, saved["args"]
 
 
@@ -115,8 +126,7 @@ def cmd_perplexity(args):
             print(f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss {result[f'reference_loss{band}']:.4f}"
                   f" over {result[f'reference_tokens{band}']}" + ("" if off is None else f" (memory off: {off:.4f})"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        train.atomic_write(args.json, json.dumps(result, indent=2))
     return 0
 
 
@@ -133,17 +143,19 @@ def cmd_compare(args):
         a, b = (int(x) for x in args.memory_sizes.split(","))
     except ValueError:
         raise UsageError(f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}.") from None
-    config_a, params, sp, run_args = load_run(args.run_dir, a)
-    config_b, _, _, _ = load_run(args.run_dir, b)
+    # Each size has its own parameters: a memory size of 0 has no gates, a memory one needs them.
+    config_a, params_a, sp, run_args = load_run(args.run_dir, a)
+    config_b, params_b, _, _ = load_run(args.run_dir, b)
     doc, _ = _doc(args, run_args, sp, config_a)
-    ce_a, _ = per_token_loss(params, config_a, doc)
-    ce_b, _ = per_token_loss(params, config_b, doc)
+    ce_a, _ = per_token_loss(params_a, config_a, doc)
+    ce_b, _ = per_token_loss(params_b, config_b, doc)
     delta = ce_a - ce_b  # Sec. 4.6: positive = the memory of size B helped
-    with open(args.csv, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta"])
-        for i, (t, x, y, d) in enumerate(zip(doc[1:], ce_a, ce_b, delta)):
-            w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}"])
+    table = io.StringIO(newline="")
+    w = csv.writer(table)
+    w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta"])
+    for i, (t, x, y, d) in enumerate(zip(doc[1:], ce_a, ce_b, delta)):
+        w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}"])
+    train.atomic_write(args.csv, table.getvalue())
     print(f"memory {a} vs {b} on validation document {args.doc} ({len(delta)} tokens): mean delta "
           f"{delta.mean():+.4f} nats, {np.mean(delta > 0):.1%} of tokens improved")
     for i in np.argsort(-delta)[:10]:
@@ -161,7 +173,7 @@ def cmd_compare(args):
             ax.set_xlabel("token index")
             ax.set_ylabel(f"CE(M={a}) - CE(M={b})")
             fig.tight_layout()
-            fig.savefig(args.plot, dpi=120)
+            train.atomic_write(args.plot, lambda f: fig.savefig(f, dpi=120, format="png"))
     return 0
 
 
@@ -231,8 +243,7 @@ def cmd_recall(args):
     print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
           f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        train.atomic_write(args.json, json.dumps(result, indent=2))
     return 0
 
 
@@ -242,27 +253,38 @@ TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, 
 
 
 def cmd_table(args):
-    rows = []
     preset = mt.PRESETS["tiny"]
     names = [n for n, _, _ in TABLE_ROWS]
     wanted = [x.strip() for x in args.rows.split(",")] if args.rows else names
     if set(wanted) - set(names):
         raise UsageError(f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}.")
-    T = args.segment_length or preset.segment_length
-    for name, segments, xl in [r for r in TABLE_ROWS if r[0] in wanted]:
+    T, B = args.segment_length or preset.segment_length, args.batch_size or preset.batch_size
+    train.check_writable_dir(args.out_root, "--out-root")
+    plan = []
+    for name, segments, xl in [r for r in TABLE_ROWS if r[0] in wanted]:  # every row checked before any trains
         out = os.path.join(args.out_root, name.replace(" ", "_").replace("+", "plus"))
         flags = ["--data", args.data, "--steps", str(args.steps), "--segment-length", str(T),
                  "--memory-size", str(segments * T), "--xl-cache" if xl else "--no-xl-cache", "--out", out,
-                 "--eval-every", "0", "--batch-size", str(args.batch_size or preset.batch_size)]
-        if args.num_neighbors:
-            flags += ["--num-neighbors", str(args.num_neighbors)]
-        if not os.path.isfile(os.path.join(out, "eval.json")):
-            print(f"training {name} -> {out}", flush=True)
-            code = train.main(flags)
+                 "--eval-every", "0", "--batch-size", str(B)]
+        flags += ["--num-neighbors", str(args.num_neighbors)] if args.num_neighbors else []
+        try:
+            config = preset.replace(segment_length=T, memory_size=segments * T, xl_cache=xl, batch_size=B,
+                                    num_neighbors=args.num_neighbors or preset.num_neighbors)
+        except ValueError as e:
+            raise UsageError(f"row {name!r}: {e}") from None
+        train.check_fits(config, B)
+        plan.append((name, segments, xl, out, flags))
+    rows = []
+    for name, segments, xl, out, flags in plan:
+        ev = train.read_json(os.path.join(out, "eval.json"))
+        done = ev and ev.get("step") == args.steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss"))
+        if not done:  # a new row; or one interrupted, or trained to other --steps: continue it
+            resume = os.path.isfile(os.path.join(out, "config.json"))
+            print(f"{'resuming' if resume else 'training'} {name} -> {out}", flush=True)
+            code = train.main(["--out", out, "--resume", "--steps", str(args.steps)] if resume else flags)
             if code:
                 return code
-        with open(os.path.join(out, "eval.json")) as f:
-            ev = json.load(f)
+            ev = train.read_json(os.path.join(out, "eval.json"))
         rows.append({"name": name, "memory_size": segments * T, "xl_cache": xl, "steps": ev["step"],
                      "perplexity": ev["perplexity"], "perplexity_memory_off": ev.get("perplexity_memory_off"),
                      "tokens": ev["tokens"], "run": out})
@@ -271,81 +293,73 @@ def cmd_table(args):
         off = "-" if r["perplexity_memory_off"] is None else f"{r['perplexity_memory_off']:.3f}"
         print(f"{r['name']:<18} {T:>7} {r['memory_size'] or 'None':>7} {T if r['xl_cache'] else 'None':>5} "
               f"{r['perplexity']:>9.3f} {off:>11}")
-    with open(os.path.join(args.out_root, "table.json"), "w") as f:
-        json.dump(rows, f, indent=2)
+    train.atomic_write(os.path.join(args.out_root, "table.json"), json.dumps(rows, indent=2))
     return 0
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = train.Parser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    positive, count = train.positive_int, train.count
 
     def with_run(name, help):
         s = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         s.add_argument("run_dir", help="a train.py output directory")
         s.add_argument("--data", help="corpus (default: the run's own)")
-        s.add_argument("--data-format", help="as in train.py (default: the run's own)")
+        s.add_argument("--data-format", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
+                       help="as in train.py (default: the run's own)")
         return s
 
     s = with_run("perplexity", "validation perplexity, with and without memory")
-    s.add_argument("--memory-size", type=int, help="evaluate with this memory size (default: the run's)")
-    s.add_argument("--eval-docs", type=int, help="validation documents (default: the run's --eval-docs)")
-    s.add_argument("--eval-tokens", type=int, help="tokens from each document's start (default: the run's)")
+    s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
+    s.add_argument("--eval-docs", type=positive, help="validation documents (default: the run's --eval-docs)")
+    s.add_argument("--eval-tokens", type=positive, help="tokens from each document's start (default: the run's)")
     s.add_argument("--json", help="write the result here")
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
     s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")
-    s.add_argument("--doc", type=int, default=0, help="validation document index")
-    s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument("--doc", type=count, default=0, help="validation document index")
+    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--csv", required=True, help="per-token output")
     s.add_argument("--plot", help="a PNG of delta per token (needs matplotlib)")
     s = with_run("inspect", "what the memory retrieves for the tokens it helps most (Tables 6-8)")
-    s.add_argument("--doc", type=int, default=0, help="validation document index")
-    s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--top", type=int, default=10, help="tokens to show")
+    s.add_argument("--doc", type=count, default=0, help="validation document index")
+    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument("--top", type=positive, default=10, help="tokens to show")
     s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
-    s.add_argument("--memory-size", type=int, help="evaluate with this memory size (default: the run's)")
+    s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="run the model, store the memory and score "
                    "the search in this dtype, the exact top-k too (default: the run's)")
-    s.add_argument("--doc", type=int, default=0, help="validation document index")
-    s.add_argument("--max-tokens", type=int, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument("--doc", type=count, default=0, help="validation document index")
+    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--json", help="write the result here")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--data", default="stdlib", help="corpus for every row")
-    s.add_argument("--steps", type=int, default=1200, help="training steps per row")
-    s.add_argument("--segment-length", type=int, help="T (tiny preset's if unset)")
-    s.add_argument("--batch-size", type=int, help="rows (tiny preset's if unset)")
-    s.add_argument("--num-neighbors", type=int, help="k (tiny preset's if unset)")
+    s.add_argument("--steps", type=positive, default=1200, help="training steps per row")
+    s.add_argument("--segment-length", type=positive, help="T (tiny preset's if unset)")
+    s.add_argument("--batch-size", type=positive, help="rows (tiny preset's if unset)")
+    s.add_argument("--num-neighbors", type=positive, help="k (tiny preset's if unset)")
     s.add_argument("--rows", help="comma-separated subset of the rows: " + ", ".join(n for n, _, _ in TABLE_ROWS))
-    s.add_argument("--out-root", default="runs/table", help="where the runs go; existing runs are reused")
+    s.add_argument("--out-root", default="runs/table", help="where the runs go; a row whose run finished at --steps "
+                   "is reused, an unfinished one is resumed")
     return p
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def run(args):
     for name in ("json", "csv", "plot"):
-        path = getattr(args, name, None)
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            print(f"error: cannot write --{name} {path}: its directory does not exist.", file=sys.stderr)
-            return 2
-    for name in ("max_tokens", "memory_size"):  # 0 means "all" / "no memory"
-        if (getattr(args, name, None) or 0) < 0:
-            print(f"error: --{name.replace('_', '-')} must not be negative.", file=sys.stderr)
-            return 2
-    for name in ("eval_docs", "eval_tokens", "top", "steps", "batch_size", "segment_length", "num_neighbors"):
-        if getattr(args, name, None) is not None and getattr(args, name) <= 0:
-            print(f"error: --{name.replace('_', '-')} must be positive.", file=sys.stderr)
-            return 2
+        if getattr(args, name, None):
+            train.check_output_file(getattr(args, name), name)
+    return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect,
+            "recall": cmd_recall, "table": cmd_table}[args.command](args)
+
+
+def main(argv=None):
     try:
-        return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect,
-                "recall": cmd_recall, "table": cmd_table}[args.command](args)
-    except (train.UsageError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.strerror}: {e.filename}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
+        return e.code
+    return train.run_command(run, args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    train.exit_with(main())

@@ -101,8 +101,11 @@ class Config:
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
                              f"({self.grad_accum}).")
-        if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError("lr must be > 0 and warmup_steps >= 0.")
+        if not (math.isfinite(self.lr) and self.lr > 0) or self.warmup_steps < 0:
+            raise ValueError(f"lr must be a finite number > 0 and warmup_steps >= 0, got {self.lr} and "
+                             f"{self.warmup_steps}.")
+        if not math.isfinite(self.init_prev_token_bias):
+            raise ValueError(f"init_prev_token_bias must be finite, got {self.init_prev_token_bias}.")
 
     @property
     def active_memory_layers(self):

@@ -8,6 +8,13 @@
 Everything a run produces goes to --out: config.json, metrics.jsonl (one JSON object per
 logged step and per evaluation), eval.json, tokenizer.model and checkpoint.npz.
 """
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
+    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+
 import argparse
 import contextlib
 import dataclasses
@@ -15,8 +22,6 @@ import functools
 import hashlib
 import json
 import math
-import os
-import signal
 import sys
 import tempfile
 import time
@@ -227,27 +232,74 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
     return result
 
 
+# ----------------------------------------------------------------------------- files
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path, content):
+    """Write `content` (bytes, str, or a function that writes to a binary file) to `path`
+    whole or not at all: into a temporary file beside it, then a rename over the old one. A
+    kill leaves the old file; a path read to make the content is read before it is replaced.
+    The file gets the permissions of any new file (the umask), not a temporary file's 0600."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_writable_dir(path, flag):
+    """Refuse, before anything is written, a directory that cannot be created or written to."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write to {flag} {path}: {probe} is not a writable directory.")
+
+
+def check_output_file(path, flag):
+    """Refuse an output file that cannot be written: no directory, or a directory in its place."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write --{flag} {path}: it is a directory.")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write --{flag} {path}: {folder} is not a writable directory.")
+
+
+def read_json(path):
+    """A JSON file's object, or None if it is missing, unreadable, truncated or not an object."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def _flat(tree):
     return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def save_checkpoint(path, step, params, opt_state, state, data_position):
-    """Atomic: write a temporary file in the same directory, then rename over the old one."""
+    """Atomic (atomic_write): a kill during a save leaves the previous checkpoint loadable."""
     arrays = {}
     for name, tree in (("params", params), ("opt", opt_state), ("state", state._asdict())):
         arrays.update({f"{name}{k}": v for k, v in _flat(tree).items()})
     meta = json.dumps({"step": step, "data_position": data_position})
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, __meta__=np.frombuffer(meta.encode(), np.uint8), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda f: np.savez(f, __meta__=np.frombuffer(meta.encode(), np.uint8), **arrays))
 
 
 def restore_tree(template, arrays, prefix, path, strict=True):
@@ -269,32 +321,141 @@ def restore_tree(template, arrays, prefix, path, strict=True):
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
+# What a run directory's config.json must hold under "args" (train.py's flags) to be resumed
+# or evaluated, and the type of each.
+RUN_ARGS = {"data": str, "data_format": str, "valid_fraction": float, "eval_docs": int, "eval_tokens": int}
+
+
 def read_run_config(run_dir):
     """A run's config.json as {"config": Config, "args": dict}; a broken file is a UsageError."""
     path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"{run_dir} is not a run directory (no config.json).")
+    saved = read_json(path)
     try:
-        with open(path) as f:
-            saved = json.load(f)
-        fields = saved["config"]
+        args, fields = saved["args"], saved["config"]
+        if not all(isinstance(args.get(k), t) and not isinstance(args.get(k), bool) for k, t in RUN_ARGS.items()):
+            raise TypeError
+        if not (isinstance(args.get("suffixes"), (str, type(None))) and
+                isinstance(args.get("min_doc_tokens", 0), (int, type(None)))):
+            raise TypeError
         saved["config"] = mt.Config(**{**fields, "memory_layers": tuple(fields["memory_layers"])})
         return saved
-    except OSError:
-        raise UsageError(f"{run_dir} is not a run directory (no readable config.json).") from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise UsageError(f"{path} is not a valid run config.") from None
 
 
 def load_checkpoint(path):
-    """(meta, arrays) of a checkpoint; a missing, truncated or corrupt file is a UsageError."""
+    """(meta, arrays) of a checkpoint; a missing, unreadable, truncated or corrupt file is a UsageError."""
     if not os.path.isfile(path):
         raise UsageError(f"no checkpoint at {path}.")
     try:
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files}
         meta = json.loads(bytes(arrays.pop("__meta__")).decode())
+        if not isinstance(meta.get("step"), int):
+            raise ValueError
+    except PermissionError:
+        raise UsageError(f"cannot read the checkpoint {path}: permission denied.") from None
     except Exception:
         raise UsageError(f"checkpoint {path} is truncated or corrupt.") from None
     return meta, arrays
+
+
+def check_fits(config, batch_size):
+    """Refuse a config whose parameters, gradients, optimizer state, memory and one layer's
+    attention scores and their gradient alone exceed the device's memory, before anything
+    is allocated (the rest of the activations only add to that)."""
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    params = jax.eval_shape(lambda: mt.init_params(config, jax.random.PRNGKey(0)))
+    state = jax.eval_shape(lambda: mt.init_state(config, batch_size))
+    scores = batch_size * config.num_heads * config.segment_length * (config.segment_length + config.cache_length) * 4
+    need = 3 * nbytes(params) + nbytes(state) + 2 * scores  # Adafactor's statistics are at most the params' size
+    stats = jax.devices()[0].memory_stats() or {}
+    have = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise UsageError(f"this config (memory size {config.memory_size}, batch {batch_size}) needs at least "
+                         f"{need / 2 ** 30:.1f} GiB for its parameters, optimizer and memory, more than the "
+                         f"{have / 2 ** 30:.1f} GiB the device has.")
+
+
+# ----------------------------------------------------------------------------- the command line
+class Parser(argparse.ArgumentParser):
+    """argparse, except that a bad flag is one line on stderr (not the usage, then the error)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help).\n")
+
+
+def int_at_least(low, high=None):
+    """An argparse type: an integer in [low, high]."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            words = {0: "must not be negative", 1: "must be positive"}.get(low, f"must be at least {low}")
+            raise argparse.ArgumentTypeError(f"{words}, got {value}" if value < low else f"must be at most {high}, got {value}")
+        return value
+    return parse
+
+
+positive_int, count = int_at_least(1), int_at_least(0)
+
+
+def finite_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def fraction(text):
+    value = finite_float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
+    return value
+
+
+def run_command(command, args):
+    """Run a subcommand the way every script here does: bad input (flags, files, data) is one
+    sentence on stderr and exit code 2; Ctrl-C or SIGTERM is one line and exit code 130 (the
+    command may have handled it first, e.g. by saving a checkpoint)."""
+    old = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}  # both: Ctrl-C
+    try:
+        return command(args)
+    except (UsageError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the checks did not foresee: say which, and why
+        print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return 2
+    except (MemoryError, jax.errors.JaxRuntimeError) as e:
+        if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print("error: the device ran out of memory; lower --batch-size, --segment-length or --memory-size.",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; no file was left half-written.", file=sys.stderr)
+        return 130
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def exit_with(code):
+    """sys.exit, except after an interrupt: leave at once (os._exit), without the interpreter's
+    teardown, which can crash while JAX's threads still run a computation."""
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -302,14 +463,20 @@ def config_from_args(args, base=None):
     fields = {f.name for f in dataclasses.fields(mt.Config)}
     changes = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if args.memory_layers is not None:
-        changes["memory_layers"] = tuple(int(x) for x in args.memory_layers.split(",") if x.strip())
+        try:
+            changes["memory_layers"] = tuple(int(x) for x in args.memory_layers.split(",") if x.strip())
+        except ValueError:
+            raise UsageError(f"--memory-layers takes comma-separated layer indices, got {args.memory_layers!r}.") from None
     base = base or mt.PRESETS[args.preset]
-    return base.replace(**changes)
+    try:
+        return base.replace(**changes)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022).",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny",
                    help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
                    "2-layer recipe that learns the synthetic task, README)")
@@ -320,21 +487,22 @@ def build_parser():
                    "order, text = one .txt file per document, jsonl = one {'text': ...} per line")
     p.add_argument("--suffixes", help="for a repository PATH, read only files ending in these, comma-separated, "
                    "e.g. .py,.c,.h (Sec. 4.1 keeps a repository's source files); default: every file")
-    p.add_argument("--min-doc-tokens", type=int, default=0, help="drop documents shorter than this "
+    p.add_argument("--min-doc-tokens", type=count, default=0, help="drop documents shorter than this "
                    "(4096 gives the paper's C4(4K+))")
-    p.add_argument("--vocab-size", type=int, help="SentencePiece vocabulary size V")
-    p.add_argument("--d-model", type=int, help="model width E (= num heads x head dim)")
-    p.add_argument("--num-layers", type=int, help="transformer layers L")
-    p.add_argument("--num-heads", type=int, help="attention heads H")
-    p.add_argument("--head-dim", type=int, help="dimension D of each head")
-    p.add_argument("--d-ff", type=int, help="hidden width F of the feed-forward blocks")
-    p.add_argument("--steps", type=int, help="training steps (preset's value if unset)")
-    p.add_argument("--batch-size", type=int, help="batch rows; each row streams documents in order")
-    p.add_argument("--grad-accum", type=int, help="micro-batches per step (rows are split between them)")
-    p.add_argument("--segment-length", type=int, help="tokens per segment T (also the XL cache length)")
-    p.add_argument("--memory-size", type=int, help="memory slots M per row and head; 0 = no memory")
+    p.add_argument("--vocab-size", type=positive_int, help="SentencePiece vocabulary size V")
+    p.add_argument("--d-model", type=positive_int, help="model width E (= num heads x head dim)")
+    p.add_argument("--num-layers", type=positive_int, help="transformer layers L")
+    p.add_argument("--num-heads", type=positive_int, help="attention heads H")
+    p.add_argument("--head-dim", type=positive_int, help="dimension D of each head")
+    p.add_argument("--d-ff", type=positive_int, help="hidden width F of the feed-forward blocks")
+    p.add_argument("--steps", type=positive_int, help="training steps (preset's value if unset); with --resume, "
+                   "the step to train to")
+    p.add_argument("--batch-size", type=positive_int, help="batch rows; each row streams documents in order")
+    p.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (rows are split between them)")
+    p.add_argument("--segment-length", type=positive_int, help="tokens per segment T (also the XL cache length)")
+    p.add_argument("--memory-size", type=count, help="memory slots M per row and head; 0 = no memory")
     p.add_argument("--memory-layers", help="comma-separated 0-based kNN layer indices, e.g. 8")
-    p.add_argument("--num-neighbors", type=int, help="k retrieved memories per query")
+    p.add_argument("--num-neighbors", type=positive_int, help="k retrieved memories per query")
     p.add_argument("--xl-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="Transformer-XL cache of the previous segment")
     p.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, default=None,
@@ -343,25 +511,30 @@ def build_parser():
                    "(params, softmax statistics and the loss stay float32)")
     p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache "
                    "(default: the same as --dtype)")
-    p.add_argument("--lr", type=float, help="base learning rate (1.0 in the paper)")
-    p.add_argument("--init-prev-token-bias", type=float, help="initial T5 bias at distance 1 in half of the "
-                   "first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
-    p.add_argument("--warmup-steps", type=int, help="linear warmup steps before square-root decay")
-    p.add_argument("--seed", type=int, help="seed for the initialization and the order in which batch rows take "
-                   "training documents; the train/validation split and the traversal of repositories are fixed "
-                   "(seed 0), so runs with different seeds are scored on the same validation documents")
-    p.add_argument("--out", help="output directory (default runs/<timestamp>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--lr", type=finite_float, help="base learning rate (1.0 in the paper)")
+    p.add_argument("--init-prev-token-bias", type=finite_float, help="initial T5 bias at distance 1 in half of "
+                   "the first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
+    p.add_argument("--warmup-steps", type=count, help="linear warmup steps before square-root decay")
+    p.add_argument("--seed", type=int_at_least(0, 2 ** 32 - 1), help="seed for the initialization and the order "
+                   "in which batch rows take training documents; the train/validation split and the traversal of "
+                   "repositories are fixed (seed 0), so runs with different seeds are scored on the same "
+                   "validation documents")
+    p.add_argument("--out", help="output directory (default runs/<timestamp>); train.py refuses one that already "
+                   "holds a run unless --resume is given")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (a "
+                   "finished run with its eval.json: nothing to do, unless --steps goes further)")
     p.add_argument("--init-from", metavar="RUN_DIR", help="start from another run's weights (a different "
                    "memory size, or a run without memory: new parameters start fresh)")
-    p.add_argument("--log-every", type=int, default=10, help="steps between printed lines")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0 = only at the end)")
-    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
-    p.add_argument("--eval-docs", type=int, default=4, help="validation documents to evaluate")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="tokens evaluated from each validation document's start")
-    p.add_argument("--valid-fraction", type=float, default=0.05, help="share of documents held out")
+    p.add_argument("--log-every", type=positive_int, default=10, help="steps between printed lines")
+    p.add_argument("--eval-every", type=count, default=500, help="steps between evaluations (0 = only at the end)")
+    p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints")
+    p.add_argument("--eval-docs", type=positive_int, default=4, help="validation documents to evaluate")
+    p.add_argument("--eval-tokens", type=positive_int, default=4096,
+                   help="tokens evaluated from each validation document's start")
+    p.add_argument("--valid-fraction", type=fraction, default=0.05, help="share of documents held out")
     p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one and cache it)")
-    p.add_argument("--cache-dir", default=os.environ.get("MT_CACHE", ".cache"), help="tokenizer and token cache")
+    p.add_argument("--cache-dir", default=os.environ.get("MT_CACHE", ".cache"), help="tokenizer and token cache "
+                   "(keyed on the corpus, the vocabulary size and the validation split)")
     return p
 
 
@@ -376,15 +549,16 @@ def parse_suffixes(text):
 
 
 def prepare_data(config, args, tokenizer_path=None):
-    """Documents -> tokenizer -> (train tokens, validation tokens, tokenizer path)."""
+    """Documents -> tokenizer -> (train tokens, validation tokens, tokenizer path). Writes only
+    to the cache, whose every file is named by a hash of all that determines its content:
+    the corpus, the validation split, the vocabulary size, the tokenizer."""
     suffixes = parse_suffixes(args.suffixes)
-    try:
-        os.makedirs(args.cache_dir, exist_ok=True)
-    except OSError:
-        raise UsageError(f"cannot create the cache directory {args.cache_dir}.") from None
+    check_writable_dir(args.cache_dir, "--cache-dir")
+    os.makedirs(args.cache_dir, exist_ok=True)
     docs = data.load_documents(args.data, args.data_format, seed=0, suffixes=suffixes)
     train_docs, valid_docs = data.split_documents(docs, args.valid_fraction, seed=0)
     key = data.corpus_key(args.data, args.data_format, 0, docs, suffixes)
+    key = hashlib.sha256(f"{key}|valid_fraction {args.valid_fraction!r}".encode()).hexdigest()[:16]
     if tokenizer_path:
         sp, tok_path = data.load_tokenizer(tokenizer_path), tokenizer_path
     else:
@@ -414,11 +588,12 @@ def shard(tree, mesh, spec):
     return jax.device_put(tree, NamedSharding(mesh, spec))
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.npz", "eval.json", "tokenizer.model")
+
+
 def run_config(args):
-    """Check the flags; return the run's output directory, config and tokenizer (None: train one)."""
-    for name in ("log_every", "save_every", "eval_docs", "eval_tokens"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    """Check the flags and the run directory; return the run's output directory, config and
+    tokenizer (None: train one). Reads, never writes."""
     if args.resume and args.init_from:
         raise UsageError("--resume and --init-from cannot be combined.")
     if args.resume and not args.out:
@@ -431,33 +606,29 @@ def run_config(args):
         config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
             setattr(args, k, saved["args"].get(k))
+        args.min_doc_tokens = args.min_doc_tokens or 0
         tokenizer = os.path.join(out, "tokenizer.model")
     else:
-        try:
-            config = config_from_args(args)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        if os.path.isdir(out) and any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES):
+            raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out.")
+        config = config_from_args(args)
         tokenizer = args.tokenizer
         if args.init_from:
             tokenizer = os.path.join(args.init_from, "tokenizer.model")
             if not os.path.isfile(tokenizer):
                 raise UsageError(f"--init-from {args.init_from} is not a run directory (no tokenizer.model).")
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, ".write-test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError:
-        raise UsageError(f"cannot write to the output directory {out}.") from None
+    check_writable_dir(out, "--out")
     if config.batch_size % (jax.device_count() * config.grad_accum):
         raise UsageError(f"batch_size {config.batch_size} must be divisible by {jax.device_count()} devices x "
                          f"grad_accum {config.grad_accum}.")
+    check_fits(config, config.batch_size)
     return out, config, tokenizer
 
 
 def initial_state(config, args, out, stream):
     """(params, optimizer state, model state, step): fresh, or resumed from the checkpoint in
-    --out (the data stream is moved to where it stopped), or with --init-from's weights."""
+    --out (the data stream is moved to where it stopped), or with --init-from's weights.
+    Reads, never writes."""
     params = mt.init_params(config, jax.random.PRNGKey(config.seed))
     opt_state = make_optimizer(config)[0](params)
     state = mt.init_state(config, config.batch_size)
@@ -467,16 +638,34 @@ def initial_state(config, args, out, stream):
         params = restore_tree(params, arrays, "params", path)
         opt_state = restore_tree(opt_state, arrays, "opt", path)
         state = mt.State(**restore_tree(state._asdict(), arrays, "state", path))
-        stream.restore(meta["data_position"])
-        _truncate_metrics(os.path.join(out, "metrics.jsonl"), meta["step"])
+        try:
+            stream.restore(meta["data_position"])
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise UsageError(f"checkpoint {path} is truncated or corrupt (its data position).") from None
+        if meta["step"] > config.steps:
+            raise UsageError(f"the checkpoint in {out} is at step {meta['step']}, past --steps {config.steps}.")
         return params, opt_state, state, meta["step"]
     if args.init_from:
         path = os.path.join(args.init_from, "checkpoint.npz")
         params = restore_tree(params, load_checkpoint(path)[1], "params", path, strict=False)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({"config": dataclasses.asdict(config), "args": vars(args)}, f, indent=2)
-    open(os.path.join(out, "metrics.jsonl"), "w").close()
     return params, opt_state, state, 0
+
+
+def write_run_files(out, args, config, tok_path, step):
+    """The first writes of a run, once every check has passed: the tokenizer beside the
+    checkpoint, and config.json and an empty metrics.jsonl (or, on --resume, metrics.jsonl
+    without the lines logged after the checkpoint)."""
+    os.makedirs(out, exist_ok=True)
+    own = os.path.join(out, "tokenizer.model")
+    if not (os.path.exists(own) and os.path.samefile(tok_path, own)):
+        with open(tok_path, "rb") as f:
+            atomic_write(own, f.read())
+    if args.resume:
+        _truncate_metrics(os.path.join(out, "metrics.jsonl"), step, final=step >= config.steps)
+        return
+    atomic_write(os.path.join(out, "config.json"),
+                 json.dumps({"config": dataclasses.asdict(config), "args": vars(args)}, indent=2))
+    atomic_write(os.path.join(out, "metrics.jsonl"), b"")
 
 
 def distribute(params, opt_state, state):
@@ -515,16 +704,25 @@ def log_step(log, step, metrics, config, tokens_per_s):
           f"{rec['tokens_per_s']:8.0f} tok/s{fill} {gates}", flush=True)
 
 
+def finished(out, step):
+    """Whether the run in `out` has its final evaluation at `step` (a valid eval.json)."""
+    ev = read_json(os.path.join(out, "eval.json"))
+    return bool(ev) and ev.get("step") == step and isinstance(ev.get("perplexity"), float)
+
+
 def train(args):
+    """Every check (flags, run directory, data, checkpoints, memory) comes before the first
+    write: a refused command leaves every file as it was."""
     t_start = time.time()
     out, config, tokenizer = run_config(args)
     ckpt_path = os.path.join(out, "checkpoint.npz")
     train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
-    if os.path.abspath(tok_path) != os.path.abspath(os.path.join(out, "tokenizer.model")):
-        with open(tok_path, "rb") as src, open(os.path.join(out, "tokenizer.model"), "wb") as dst:
-            dst.write(src.read())
     stream = data.segment_batches(train_tokens, config.batch_size, config.segment_length, config.seed)
     params, opt_state, state, step = initial_state(config, args, out, stream)
+    if args.resume and step == config.steps and finished(out, step):
+        print(f"{out} finished at step {step} (eval.json): nothing to do; give --steps to train further.")
+        return 0
+    write_run_files(out, args, config, tok_path, step)
     params, opt_state, state, place = distribute(params, opt_state, state)
     train_step, eval_step = make_train_step(step_config(config)), make_eval_step(step_config(config))
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -558,14 +756,16 @@ def train(args):
                       f"--out {out} --resume", file=sys.stderr)
                 return 130
 
-    result = {"step": step, **full_evaluation(params, config, valid_tokens, valid_distances, eval_step)}
+    try:
+        result = {"step": step, **full_evaluation(params, config, valid_tokens, valid_distances, eval_step)}
+    except KeyboardInterrupt:
+        print(f"interrupted during the final evaluation; the checkpoint of step {step} is saved: "
+              f"--out {out} --resume evaluates it.", file=sys.stderr)
+        return 130
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "eval_loss": result["loss"], "eval_perplexity": result["perplexity"],
                             **{k: v for k, v in result.items() if k.startswith("reference_loss")}}) + "\n")
-    tmp = os.path.join(out, "eval.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, os.path.join(out, "eval.json"))
+    atomic_write(os.path.join(out, "eval.json"), json.dumps(result, indent=2))
     print(f"{format_eval(step, result)} | {result['tokens']} tokens | {time.time() - t_start:.0f} s total | "
           f"{out}/eval.json", flush=True)
     return 0
@@ -599,24 +799,30 @@ def eval_record(step, params, config, docs, distances, eval_step):
             **{k: v for k, v in r.items() if k.startswith(("reference_loss", "perplexity_memory_off"))}}
 
 
-def _truncate_metrics(path, step):
-    """Drop lines logged after the checkpoint's step (a resumed run logs them again)."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(keep)
+def _truncate_metrics(path, step, final=False):
+    """Keep the lines logged up to the checkpoint's step (a resumed run logs the later ones
+    again). final: the run ends at this step, so its final evaluation is redone: drop the
+    evaluation line of this step. A half-written line (a crash mid-write) is dropped."""
+    keep = []
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                s = rec["step"]
+            except (ValueError, TypeError, KeyError, RecursionError):
+                continue
+            if isinstance(s, int) and (s < step or (s == step and not (final and "eval_loss" in rec))):
+                keep.append(line if line.endswith(b"\n") else line + b"\n")
+    atomic_write(path, b"".join(keep))
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
     try:
-        return train(args)
-    except (UsageError, data.DataError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
+        return e.code
+    return run_command(train, args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -1,0 +1,521 @@
+"""The three command lines under careless and unlucky use (issue 14).
+
+A property-based probe drives every subcommand of train.py, evaluate.py and benchmark.py
+with generated bad flags and generated broken run directories, and asserts what the README
+promises: exit code 2, one line on stderr, no traceback, and every file that existed before
+byte-identical afterwards. Then one test per kind of failure the probes of the issue found,
+and the interruptions (Ctrl-C, SIGTERM) at several moments of each command.
+"""
+import csv
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import benchmark
+import data
+import evaluate
+import train
+from test_train import FAST, HERE
+
+SCRIPTS = {"train": train.main, "evaluate": evaluate.main, "benchmark": benchmark.main}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache):
+    """A finished memory run of FAST (2 steps), the template every probe copies."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert train.main(FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]) == 0
+    return out
+
+
+def snapshot(*roots):
+    """Every file and directory under roots: path -> (mode, bytes or None for a directory)."""
+    found = {}
+    for root in roots:
+        for dirpath, dirs, files in os.walk(root):
+            found[dirpath] = (stat.S_IMODE(os.lstat(dirpath).st_mode), None)
+            for f in files:
+                p = os.path.join(dirpath, f)
+                if os.path.islink(p):
+                    found[p] = (0, os.readlink(p).encode())
+                else:
+                    with open(p, "rb") as fh:
+                        found[p] = (stat.S_IMODE(os.stat(p).st_mode), fh.read())
+    return found
+
+
+def call(script, argv, capsys):
+    """Run a script's main() in this process: (exit code, stdout, stderr)."""
+    code = SCRIPTS[script](argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(code, err, argv):
+    assert code == 2, (argv, code, err)
+    assert err.count("\n") == 1 and err.startswith("error: "), (argv, err)
+    assert "Traceback" not in err, (argv, err)
+
+
+# ----------------------------------------------------------------------------- the property
+# Each fault is (commands it applies to, what it does). A flag fault is a list of argv words
+# (a function of the workspace); a file fault breaks a file of the copied run. Every fault
+# alone must make the command refuse: the probe combines one to three of them.
+def _ws(path):
+    return lambda ws: [str(ws / path) if isinstance(path, str) else path]
+
+
+NUMBER_FLAGS_TRAIN = ["--steps", "--batch-size", "--segment-length", "--memory-size", "--num-neighbors", "--lr",
+                      "--warmup-steps", "--seed", "--eval-docs", "--eval-tokens", "--log-every", "--save-every",
+                      "--valid-fraction", "--init-prev-token-bias", "--vocab-size", "--d-model", "--grad-accum",
+                      "--min-doc-tokens", "--eval-every"]
+not_a_number = st.from_regex(r"[a-df-zA-Z_%@][a-zA-Z0-9_.%@-]{0,8}", fullmatch=True)
+huge_memory = st.integers(2 ** 26, 2 ** 36).map(lambda x: str(64 * x))  # a multiple of FAST's 64, far too big
+
+
+def train_faults():
+    """Flag faults of a fresh train.py run (FAST, --out WS/new)."""
+    plain = [
+        ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--lr", "0"], ["--init-prev-token-bias", "nan"],
+        ["--init-prev-token-bias", "-inf"], ["--valid-fraction", "nan"], ["--valid-fraction", "inf"],
+        ["--valid-fraction", "0"], ["--valid-fraction", "1"], ["--valid-fraction", "-0.5"], ["--steps", "0"],
+        ["--steps", "-5"], ["--batch-size", "0"], ["--batch-size", "1000"], ["--memory-size", "100"],
+        ["--memory-size", "-64"], ["--num-neighbors", "0"], ["--num-neighbors", "100000"],
+        ["--segment-length", "0"], ["--segment-length", "100000"], ["--memory-layers", "9"],
+        ["--memory-layers", "a"], ["--memory-layers", "1,1"], ["--eval-docs", "0"], ["--eval-tokens", "-3"],
+        ["--log-every", "0"], ["--save-every", "-1"], ["--seed", "-1"], ["--seed", str(2 ** 40)],
+        ["--data", "/no/such/corpus"], ["--data", "synthetic:0"], ["--data", "synthetic:x"],
+        ["--data-format", "bogus"], ["--suffixes", ".py"], ["--suffixes", ",,"], ["--preset", "nope"],
+        ["--tokenizer", "/no/such.model"], ["--resume"], ["--init-from", "/no/such/run"],
+        ["--vocab-size", "10"], ["--grad-accum", "3"], ["--d-model", "100"], ["--dtype", "float16"],
+        ["--no-such-flag"], ["--min-doc-tokens", "100000"], ["--eval-every", "-1"],
+    ]
+    workspace = [
+        lambda ws: ["--out", str(ws / "run")],  # an existing run, without --resume
+        lambda ws: ["--out", str(ws / "run"), "--tokenizer", str(ws / "run" / "tokenizer.model")],
+        lambda ws: ["--out", str(ws / "run"), "--init-from", str(ws / "link")],  # a symlink to the run itself
+        lambda ws: ["--out", str(ws / "afile")], lambda ws: ["--out", str(ws / "afile" / "sub")],
+        lambda ws: ["--cache-dir", str(ws / "afile")], lambda ws: ["--tokenizer", str(ws / "afile")],
+        lambda ws: ["--data", str(ws / "empty")], lambda ws: ["--init-from", str(ws / "empty")],
+        lambda ws: ["--resume", "--init-from", str(ws / "run")],
+    ]
+    return (st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace) |
+            st.tuples(st.sampled_from(NUMBER_FLAGS_TRAIN), not_a_number).map(lambda f: (lambda ws: list(f))) |
+            huge_memory.map(lambda m: (lambda ws: ["--memory-size", m])))
+
+
+def _json_edit(name, edit):
+    def fault(run):
+        path = run / name
+        obj = json.loads(path.read_text())
+        edit(obj)
+        path.write_text(json.dumps(obj))
+    return fault
+
+
+def _truncate(name, fraction):
+    def fault(run):
+        raw = (run / name).read_bytes()
+        (run / name).write_bytes(raw[:int(len(raw) * fraction)])
+    return fault
+
+
+def _replace(name, content):
+    def fault(run):
+        (run / name).write_bytes(content)
+    return fault
+
+
+def _remove(name):
+    return lambda run: (run / name).unlink()
+
+
+RUN_ARG_EDITS = [("data", None), ("data", 3), ("valid_fraction", "x"), ("valid_fraction", None),
+                 ("eval_docs", "2"), ("eval_tokens", None), ("data_format", []), ("suffixes", 5)]
+CONFIG_EDITS = [("segment_length", -1), ("segment_length", "x"), ("num_heads", 0), ("memory_size", 100),
+                ("memory_layers", None), ("memory_layers", [99]), ("dtype", "float16"), ("d_model", 100),
+                ("vocab_size", 64)]  # vocab 64: fewer than the tokenizer's pieces and the checkpoint's rows
+
+
+def run_file_faults():
+    """Breakages of a run directory that every command reading it must refuse."""
+    def drop(key, where):
+        return _json_edit("config.json", lambda o: o[where].pop(key))
+    args_edits = [_json_edit("config.json", lambda o, k=k, v=v: o["args"].__setitem__(k, v)) for k, v in RUN_ARG_EDITS]
+    config_edits = [_json_edit("config.json", lambda o, k=k, v=v: o["config"].__setitem__(k, v)) for k, v in CONFIG_EDITS]
+    fixed = [
+        _json_edit("config.json", lambda o: o.pop("args")), _json_edit("config.json", lambda o: o.update(args=None)),
+        _json_edit("config.json", lambda o: o.update(config=[])), drop("data", "args"), drop("valid_fraction", "args"),
+        _replace("config.json", b"[1, 2]"), _replace("config.json", b""), _replace("config.json", b"{" * 100000),
+        _remove("config.json"), _remove("checkpoint.npz"), _replace("checkpoint.npz", b""),
+        _replace("checkpoint.npz", b"PK\x03\x04 not a zip"), _remove("tokenizer.model"),
+        _replace("tokenizer.model", b"not a model"), _replace("tokenizer.model", b""),
+    ]
+    truncations = st.tuples(st.sampled_from(["config.json", "checkpoint.npz", "tokenizer.model"]),
+                            st.floats(0.0, 0.95)).map(lambda t: _truncate(*t))
+    return st.sampled_from(fixed + args_edits + config_edits) | truncations
+
+
+def evaluate_faults(command):
+    """Flag faults of an evaluate.py subcommand on the copied run."""
+    plain = {
+        "perplexity": [["--memory-size", "100"], ["--memory-size", "-1"], ["--eval-docs", "0"],
+                       ["--eval-tokens", "x"], ["--data-format", "bogus"], ["--data", "/no/such"]],
+        "compare": [["--memory-sizes", "64"], ["--memory-sizes", "a,b"], ["--memory-sizes", "1,2,3"],
+                    ["--memory-sizes", "100,0"], ["--doc", "99"], ["--doc", "-1"], ["--max-tokens", "-1"]],
+        "inspect": [["--doc", "99"], ["--top", "0"], ["--max-tokens", "-5"], ["--data", "/no/such"]],
+        "recall": [["--memory-size", "100"], ["--dtype", "float16"], ["--doc", "99"], ["--max-tokens", "20"]],
+        "table": [["--rows", "bogus"], ["--segment-length", "100000"], ["--steps", "0"], ["--batch-size", "0"],
+                  ["--num-neighbors", "100000"]],
+    }[command]
+    workspace = {
+        "perplexity": [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "dir.json")],
+                       lambda ws: ["--json", str(ws / "afile" / "x.json")]],
+        "compare": [lambda ws: ["--csv", str(ws)], lambda ws: ["--plot", str(ws / "no" / "p.png")]],
+        "inspect": [lambda ws: ["--data", str(ws / "empty")]],
+        "recall": [lambda ws: ["--json", str(ws)]],
+        "table": [lambda ws: ["--out-root", str(ws / "afile")]],
+    }[command]
+    sized = ["--memory-size"] if command in ("perplexity", "recall") else []
+    return (st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace) |
+            (huge_memory.map(lambda m: (lambda ws: ["--memory-size", m])) if sized else st.nothing()))
+
+
+def benchmark_faults():
+    plain = [["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--memory-sizes", ","], ["--memory-sizes", "-128"],
+             ["--steps", "0"], ["--batch-size", "-1"], ["--preset", "nope"], ["--dtype", "float16"],
+             ["--memory-sizes", "0,17179869184"]]
+    workspace = [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "x.json")],
+                 lambda ws: ["--profile", str(ws / "afile")]]
+    return st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace)
+
+
+@st.composite
+def probes(draw):
+    """(script, argv as a function of the workspace, run-file faults)."""
+    command = draw(st.sampled_from(["train", "train --resume", "perplexity", "compare", "inspect", "recall", "table",
+                                    "benchmark"]))
+    if command == "train":
+        flags = draw(st.lists(train_faults(), min_size=1, max_size=3))
+        return "train", lambda ws: FAST + ["--out", str(ws / "new")] + sum((f(ws) for f in flags), []), []
+    if command == "train --resume":  # a broken run, or a --steps behind its checkpoint
+        files = draw(st.lists(run_file_faults(), max_size=2))
+        steps = ["--steps", "1"] if not files else draw(st.sampled_from([[], ["--steps", "5"]]))
+        return "train", lambda ws: FAST + ["--out", str(ws / "run"), "--resume"] + steps, files
+    if command == "benchmark":
+        flags = draw(st.lists(benchmark_faults(), min_size=1, max_size=2))
+        return "benchmark", lambda ws: sum((f(ws) for f in flags), []), []
+    need = {"compare": lambda ws: ["--memory-sizes", "0,64", "--csv", str(ws / "out.csv")]}.get(command, lambda ws: [])
+    if command == "table":
+        flags = draw(st.lists(evaluate_faults("table"), min_size=1, max_size=2))
+        return "evaluate", lambda ws: ["table", "--data", "synthetic:40", "--steps", "2",
+                                       "--out-root", str(ws / "table")] + sum((f(ws) for f in flags), []), []
+    files = draw(st.lists(run_file_faults(), max_size=2))
+    flags = draw(st.lists(evaluate_faults(command), min_size=0 if files else 1, max_size=2))
+    return "evaluate", lambda ws: [command, str(ws / "run")] + need(ws) + sum((f(ws) for f in flags), []), files
+
+
+PROBES = {"run": 0}  # how many probes ran (printed at the end of the test, for the note)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(probe=probes())
+def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_file(
+        tmp_path_factory, finished_run, cache, capsys, probe):
+    script, argv, file_faults = probe
+    ws = tmp_path_factory.mktemp("ws")
+    shutil.copytree(finished_run, ws / "run")
+    (ws / "empty").mkdir()
+    (ws / "afile").write_text("a file where a directory or a model should be")
+    os.symlink(ws / "run", ws / "link")
+    for fault in file_faults:
+        try:
+            fault(ws / "run")
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            pass  # a second fault on a file the first one removed or broke
+    argv = argv(ws)
+    if script == "train":
+        argv = [a for a in argv] + (["--cache-dir", cache] if "--cache-dir" not in argv else [])
+    before = snapshot(ws, cache)
+    t0 = time.time()
+    code, _, err = call(script, argv, capsys)
+    PROBES["run"] += 1
+    assert_refused(code, err, argv)
+    assert time.time() - t0 < 60, argv  # refused before any step was compiled
+    after = snapshot(ws, cache)
+    changed = [p for p in before if after.get(p) != before[p]]
+    created = [p for p in after if p not in before and not p.startswith(cache)]
+    assert not changed and not created, (argv, changed, created)
+    shutil.rmtree(ws)
+
+
+# ----------------------------------------------------------------------------- data mixed up or lost
+def test_the_token_cache_follows_the_validation_split(tmp_path):
+    """Issue 14.1: a cache built with one --valid-fraction is not reused for another."""
+    def split(fraction, cache):
+        args = train.build_parser().parse_args(FAST + ["--valid-fraction", fraction, "--cache-dir", str(cache)])
+        tokens, valid, _, _ = train.prepare_data(train.config_from_args(args), args)
+        return tokens, valid
+
+    shared = tmp_path / "shared"
+    assert len(split("0.05", shared)[0]) == 38
+    for fraction, n_train in (("0.5", 20), ("0.05", 38)):
+        got, fresh = split(fraction, shared), split(fraction, tmp_path / f"fresh{fraction}")
+        assert len(got[0]) == len(fresh[0]) == n_train
+        for a, b in zip(got[0] + got[1], fresh[0] + fresh[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_an_existing_run_is_never_overwritten_and_a_refused_run_writes_nothing(tmp_path, finished_run, cache, capsys):
+    """Issue 14.2 and 14.3: --out on a run without --resume is refused, whatever points at it
+    (its own tokenizer, a symlink to it as --init-from); a check that fails after the data
+    is read (more rows than documents) leaves no output directory."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    os.symlink(run, tmp_path / "link")
+    before = snapshot(tmp_path)
+    for extra in ([], ["--tokenizer", str(run / "tokenizer.model")], ["--init-from", str(tmp_path / "link")]):
+        code, _, err = call("train", FAST + ["--out", str(run), "--cache-dir", cache] + extra, capsys)
+        assert_refused(code, err, extra)
+        assert "already holds a run" in err
+    code, _, err = call("train", FAST + ["--out", str(tmp_path / "new"), "--cache-dir", cache, "--batch-size", "1000"],
+                        capsys)
+    assert_refused(code, err, "batch-size")
+    assert "fewer than the 1000 batch rows" in err
+    assert snapshot(tmp_path) == before  # and no directory "new"
+
+
+def test_resuming_a_finished_run_does_nothing_and_a_lost_final_evaluation_is_redone_once(tmp_path, finished_run,
+                                                                                         cache, capsys):
+    """Issue 14.4: --resume --steps 0 is refused; --resume of a finished run leaves it as it
+    is; if its eval.json was lost (killed during the final evaluation) the evaluation runs
+    again and metrics.jsonl keeps one evaluation line for the step."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+    code, _, err = call("train", ["--out", str(run), "--resume", "--steps", "0"], capsys)
+    assert_refused(code, err, "--steps 0")
+    code, out, _ = call("train", ["--out", str(run), "--resume", "--cache-dir", cache], capsys)
+    assert code == 0 and "nothing to do" in out
+    assert snapshot(run) == before
+    final = json.loads((run / "eval.json").read_text())
+    (run / "eval.json").unlink()
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 2, "loss": 1.0, "perpl')  # and a line cut off by the kill
+    assert call("train", ["--out", str(run), "--resume", "--cache-dir", cache], capsys)[0] == 0
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if "eval_loss" in l] == [2]
+    assert [l["step"] for l in lines if "loss" in l] == [1, 2]
+    assert json.loads((run / "eval.json").read_text())["perplexity"] == pytest.approx(final["perplexity"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- one sentence, not a traceback
+def test_compare_with_a_memory_size_of_zero_and_a_memory_model(finished_run, tmp_path, capsys):
+    """Issue 14.5: each memory size gets its own parameters (0 has no gates)."""
+    for sizes in ("0,64", "64,0"):
+        out = tmp_path / f"{sizes}.csv"
+        code, _, err = call("evaluate", ["compare", str(finished_run), "--memory-sizes", sizes, "--csv", str(out),
+                                         "--max-tokens", "100"], capsys)
+        assert code == 0, err
+        with open(out, newline="") as f:
+            assert len(list(csv.reader(f))) == 101
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("train", ["--lr", "nan"], "argument --lr: must be a finite number"),
+    ("train", ["--init-prev-token-bias", "nan"], "argument --init-prev-token-bias: must be a finite number"),
+    ("train", ["--valid-fraction", "inf"], "argument --valid-fraction: must be a finite number"),
+    ("train", ["--valid-fraction", "1"], "must be between 0 and 1"),
+    ("train", ["--resume", "--steps", "-5"], "argument --steps: must be positive, got -5"),
+    ("train", ["--memory-size", "17179869184"], "GiB for its parameters, optimizer and memory"),
+    ("train", ["--vocab-size", "10"], "cannot train a tokenizer of 10 pieces"),
+    ("evaluate", ["table", "--segment-length", "100000"], "GiB for its parameters"),
+    ("benchmark", ["--memory-sizes", "0,17179869184"], "GiB for its parameters"),
+])
+def test_flags_that_passed_the_old_checks_are_refused_in_one_sentence(tmp_path, cache, capsys, script, argv, message):
+    """Issue 14.6."""
+    if script == "train":
+        argv = FAST + ["--out", str(tmp_path / "r"), "--cache-dir", cache] + argv
+    if script == "evaluate":
+        argv = argv + ["--out-root", str(tmp_path / "table")]
+    code, _, err = call(script, argv, capsys)
+    assert_refused(code, err, argv)
+    assert message in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run, cache, capsys, monkeypatch):
+    """Issue 14.6: a cache directory that is a file or cannot be written; benchmark --json naming a
+    directory, refused before the benchmark runs; a failed benchmark row is one line."""
+    (tmp_path / "afile").write_text("x")
+    code, _, err = call("train", FAST + ["--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "afile")], capsys)
+    assert_refused(code, err, "cache-dir file")
+    locked = str(tmp_path / "locked")
+    os.mkdir(locked)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == locked else real_access(p, mode))
+    code, _, err = call("train", FAST + ["--out", str(tmp_path / "r"), "--cache-dir", locked], capsys)
+    assert_refused(code, err, "cache-dir locked")
+    assert "--cache-dir" in err and "not a writable directory" in err
+    monkeypatch.setattr(benchmark, "run_child", lambda cmd: pytest.fail("a row ran before --json was checked"))
+    code, _, err = call("benchmark", ["--memory-sizes", "0", "--json", str(tmp_path)], capsys)
+    assert_refused(code, err, "--json dir")
+    monkeypatch.setattr(benchmark, "run_child", lambda cmd: (1, "", "Traceback (most recent call last):\n  File "
+                                                             "\"x\", line 1\nValueError: boom\n"))
+    code, _, err = call("benchmark", ["--memory-sizes", "0"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err and "ValueError: boom" in err
+
+
+def test_broken_run_directories_are_refused_in_one_sentence(tmp_path, finished_run, cache, capsys):
+    """Issue 14.7: config.json without args or with args null; a tokenizer with more pieces than
+    the run's vocabulary (here: the run's config says 64)."""
+    run = tmp_path / "run"
+    for edit, message in ((lambda o: o.pop("args"), "not a valid run config"),
+                          (lambda o: o.update(args=None), "not a valid run config"),
+                          (lambda o: o["config"].update(vocab_size=64), "not the run's tokenizer")):
+        shutil.copytree(finished_run, run)
+        _json_edit("config.json", edit)(run)
+        before = snapshot(run)
+        for script, argv in (("train", ["--out", str(run), "--resume", "--cache-dir", cache]),
+                             ("evaluate", ["perplexity", str(run)])):
+            code, _, err = call(script, argv, capsys)
+            assert_refused(code, err, (script, message))
+            assert message in err or script == "train"  # train.py meets the resized checkpoint first
+        assert snapshot(run) == before
+        shutil.rmtree(run)
+
+
+def test_a_table_row_whose_eval_json_is_broken_is_evaluated_again(tmp_path, finished_run, capsys):
+    """Issue 14.7: evaluate.py table reuses a row only if its eval.json is whole and of --steps."""
+    row = tmp_path / "XL_cache"
+    shutil.copytree(finished_run, row)
+    (row / "eval.json").write_text('{"step": 2, "perplexity": 3')
+    config = json.loads((row / "config.json").read_text())
+    argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--steps", "2",
+            "--segment-length", str(config["config"]["segment_length"]), "--data", "synthetic:40"]
+    code, out, err = call("evaluate", argv, capsys)
+    assert code == 0, err
+    assert "resuming XL cache" in out
+    assert json.loads((row / "eval.json").read_text())["step"] == 2
+    assert json.loads((tmp_path / "table.json").read_text())[0]["perplexity"] > 1
+
+
+def test_unreadable_and_odd_corpus_files_are_skipped_and_counted(tmp_path, capsys, monkeypatch):
+    """Issue 14.8: a file name that is not UTF-8, a symlink loop, an unreadable file, a JSONL text
+    with a lone surrogate, JSON nested 100,000 deep."""
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "a.py").write_text("x = 1\n")
+    with open(os.path.join(os.fsencode(repo / "pkg"), b"caf\xe9.py"), "w") as f:
+        f.write("y = 2\n")
+    os.symlink(repo / "pkg" / "loop.py", repo / "pkg" / "loop.py")
+    (repo / "pkg" / "secret.py").write_text("z = 3\n")
+    real_open = open
+    monkeypatch.setattr(data, "open", lambda p, *a, **k: (_ for _ in ()).throw(PermissionError(13, "denied", p))
+                        if str(p).endswith("secret.py") else real_open(p, *a, **k), raising=False)
+    docs = data.load_documents(str(repo), "repo")
+    assert len(docs) == 1 and "x = 1" in docs[0].text and "y = 2" in docs[0].text and "z = 3" not in docs[0].text
+    assert "# file: pkg/caf\\xe9.py" in docs[0].text
+    assert "2 unreadable" in capsys.readouterr().err  # the loop and the locked file
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text('{"text": "fine"}\n{"text": "\\ud800"}\n' + '{"text": ' + "[" * 100000 + "\n")
+    docs = data.load_documents(str(jsonl))
+    assert [d.text for d in docs] == ["fine"]
+    assert "2 bad json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_a_checkpoint_is_created_like_any_other_file_and_an_unreadable_one_is_named(tmp_path, finished_run,
+                                                                                   monkeypatch):
+    """Issue 14.10: not mkstemp's 0600."""
+    old = os.umask(0o022)
+    try:
+        meta, arrays = train.load_checkpoint(str(finished_run / "checkpoint.npz"))
+        train.atomic_write(str(tmp_path / "c.npz"), (finished_run / "checkpoint.npz").read_bytes())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "c.npz").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(finished_run / "checkpoint.npz").st_mode) == 0o666 & ~old
+    monkeypatch.setattr(np, "load", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied", p)))
+    with pytest.raises(train.UsageError, match="permission denied"):
+        train.load_checkpoint(str(tmp_path / "c.npz"))
+
+
+# ----------------------------------------------------------------------------- interruptions
+def launch(script, argv):
+    return subprocess.Popen([sys.executable, script] + argv, cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_line(proc, prefix):
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"no line {prefix!r}: {proc.stderr.read()}")
+
+
+def assert_interrupted(proc):
+    assert proc.wait(timeout=120) == 130
+    err = proc.stderr.read()
+    assert err.count("\n") == 1 and "Traceback" not in err and "interrupted" in err, err
+    return err
+
+
+def test_ctrl_c_while_starting_and_during_the_final_evaluation(tmp_path, cache):
+    """Issue 14.9: before anything is written (JAX importing, data loading), and during the final
+    evaluation (which once crashed with a segmentation fault): one line, exit 130, the
+    checkpoint kept, and --resume then evaluates it."""
+    for delay in (0.2, 2.0):
+        proc = launch("train.py", FAST + ["--out", str(tmp_path / f"early{delay}"), "--cache-dir", cache])
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        assert_interrupted(proc)
+    run = tmp_path / "run"
+    proc = launch("train.py", FAST + ["--out", str(run), "--cache-dir", cache, "--steps", "2", "--valid-fraction",
+                                      "0.5", "--eval-docs", "20", "--eval-tokens", "2000"])
+    wait_for_line(proc, "step      2")
+    time.sleep(1.0)  # past the last save: compiling or running the final evaluation (several seconds)
+    proc.send_signal(signal.SIGINT)
+    assert "final evaluation" in assert_interrupted(proc)
+    assert not (run / "eval.json").exists()
+    assert train.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"] == 2
+    assert train.main(["--out", str(run), "--resume", "--cache-dir", cache]) == 0
+    assert json.loads((run / "eval.json").read_text())["step"] == 2
+
+
+def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):
+    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it."""
+    proc = launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0",
+                                  "--csv", str(tmp_path / "c.csv")])
+    time.sleep(4)
+    proc.send_signal(signal.SIGTERM)
+    assert_interrupted(proc)
+    assert not (tmp_path / "c.csv").exists()
+    proc = launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
+    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+    for _ in range(200):
+        kids = open(children).read().split()
+        if kids:
+            break
+        time.sleep(0.05)
+    assert kids, "benchmark.py started no row process"
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    assert_interrupted(proc)
+    time.sleep(0.5)
+    assert not any(os.path.exists(f"/proc/{k}") and "Z" not in open(f"/proc/{k}/stat").read().split()[2]
+                   for k in kids), "a row process outlived benchmark.py"
