@@ -369,11 +369,11 @@ def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
             docs = read_jsonl(source, stats)
         else:
             raise DataError(f"unknown data format {fmt!r}; choose auto, repo, repo-deps, text or jsonl.")
-    skipped = {k: v for k, v in stats.items() if v}
-    if verbose and skipped:
-        print("data: skipped " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()), file=sys.stderr)
+    skipped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in stats.items() if v)
     if not docs:
-        raise DataError(f"no readable document found in {source!r}.")
+        raise DataError(f"no readable document found in {source!r}" + (f" (skipped {skipped})." if skipped else "."))
+    if verbose and skipped:  # on stdout: stderr holds nothing but an error
+        print(f"data: skipped {skipped}")
     return docs
 
 

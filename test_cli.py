@@ -204,14 +204,52 @@ def benchmark_faults():
     return st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace)
 
 
+ODD_CONTENTS = [b"", b"  \n\t\n", b"\x00\x01binary", b"\xff\xfe not UTF-8", b"x = 1\n" * 40, b"import a\nimport b\n",
+                '{"text": "\\ud800"}\n{"text": "fine text"}\n'.encode(), b'{"text": ' + b"[" * 100000 + b"\n",
+                b'{"text": 5}\n[1]\n{"no": "text"}\n', "théorie « x »\n".encode() * 20]
+ODD_NAMES = ["a.py", "b.txt", "c.jsonl", "README", "ü.py", "sp ace.txt", ".hidden.py", "__pycache__", b"caf\xe9.py",
+             "theory.thy"]
+
+
+@st.composite
+def odd_corpora(draw):
+    """A directory of odd files: binary, not UTF-8, empty, lone surrogates and deep nesting in
+    JSONL, non-UTF-8 names, symlink loops and links to nowhere, nested directories."""
+    entries = draw(st.lists(st.tuples(st.sampled_from(["file", "file", "dir", "loop", "dangling"]),
+                                      st.sampled_from(ODD_NAMES), st.sampled_from(ODD_CONTENTS) | st.binary(max_size=64)),
+                            max_size=6))
+
+    def build(root):
+        os.makedirs(root)
+        for i, (kind, name, content) in enumerate(entries):
+            name = os.fsencode(name) if isinstance(name, str) else name
+            folder = os.path.join(os.fsencode(root), b"d%d" % i) if kind == "dir" else os.fsencode(root)
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, name)
+            if os.path.lexists(path):
+                continue
+            if kind == "loop":
+                os.symlink(path, path)
+            elif kind == "dangling":
+                os.symlink(b"/no/such/target", path)
+            else:
+                with open(path, "wb") as f:
+                    f.write(content)
+    return build
+
+
 @st.composite
 def probes(draw):
     """(script, argv as a function of the workspace, run-file faults)."""
-    command = draw(st.sampled_from(["train", "train --resume", "perplexity", "compare", "inspect", "recall", "table",
+    command = draw(st.sampled_from(["train", "train on odd files", "train --resume", "perplexity", "compare", "inspect", "recall", "table",
                                     "benchmark"]))
     if command == "train":
         flags = draw(st.lists(train_faults(), min_size=1, max_size=3))
         return "train", lambda ws: FAST + ["--out", str(ws / "new")] + sum((f(ws) for f in flags), []), []
+    if command == "train on odd files":  # read, skipped and counted, or refused; then more rows than documents
+        corpus, fmt = draw(odd_corpora()), draw(st.sampled_from(["auto", "repo", "repo-deps", "text", "jsonl"]))
+        return "train", lambda ws: FAST + ["--out", str(ws / "new"), "--data", str(ws / "corpus"), "--data-format",
+                                           fmt, "--batch-size", "1000"], [lambda run: corpus(run.parent / "corpus")]
     if command == "train --resume":  # a broken run, or a --steps behind its checkpoint
         files = draw(st.lists(run_file_faults(), max_size=2))
         steps = ["--steps", "1"] if not files else draw(st.sampled_from([[], ["--steps", "5"]]))
@@ -232,7 +270,7 @@ def probes(draw):
 PROBES = {"run": 0}  # how many probes ran (printed at the end of the test, for the note)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(probe=probes())
 def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_file(
         tmp_path_factory, finished_run, cache, capsys, probe):
@@ -430,12 +468,12 @@ def test_unreadable_and_odd_corpus_files_are_skipped_and_counted(tmp_path, capsy
     docs = data.load_documents(str(repo), "repo")
     assert len(docs) == 1 and "x = 1" in docs[0].text and "y = 2" in docs[0].text and "z = 3" not in docs[0].text
     assert "# file: pkg/caf\\xe9.py" in docs[0].text
-    assert "2 unreadable" in capsys.readouterr().err  # the loop and the locked file
+    assert "2 unreadable" in capsys.readouterr().out  # the loop and the locked file
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_text('{"text": "fine"}\n{"text": "\\ud800"}\n' + '{"text": ' + "[" * 100000 + "\n")
     docs = data.load_documents(str(jsonl))
     assert [d.text for d in docs] == ["fine"]
-    assert "2 bad json" in capsys.readouterr().err
+    assert "2 bad json" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- checkpoints

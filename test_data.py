@@ -237,12 +237,12 @@ def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys
     write(str(tmp_path / "r" / "p" / "ok.py"), "ok = 1\n")
     docs = data.load_documents(str(tmp_path / "r"), "repo")
     assert len(docs) == 1 and "ok = 1" in docs[0].text
-    err = capsys.readouterr().err
-    assert "1 binary" in err and "1 not utf8" in err and "1 empty" in err
+    out = capsys.readouterr().out
+    assert "1 binary" in out and "1 not utf8" in out and "1 empty" in out
     write(str(tmp_path / "j" / "a.jsonl"), '{"text": "hello"}\nnot json\n{"other": 1}\n{"text": 3}\n\n')
     docs = data.load_documents(str(tmp_path / "j"))
     assert [d.text for d in docs] == ["hello"]
-    assert "3 bad json" in capsys.readouterr().err
+    assert "3 bad json" in capsys.readouterr().out
     write(str(tmp_path / "t" / "book.txt"), "a book\n")
     write(str(tmp_path / "t" / "blank.txt"), "")
     assert [d.text for d in data.load_documents(str(tmp_path / "t"))] == ["a book\n"]
