@@ -3,6 +3,7 @@
   python evaluate.py perplexity RUN_DIR [--memory-size M] [--json FILE]
   python evaluate.py compare RUN_DIR --memory-sizes A,B [--doc N] --csv FILE [--plot FILE.png]
   python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
+  python evaluate.py explore RUN_DIR [--doc N] --out page.html
   python evaluate.py recall RUN_DIR [--memory-size M] [--dtype bfloat16]
   python evaluate.py table [--data ...] [--steps N] [--out-root DIR]
 
@@ -19,6 +20,7 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is wr
 
 import argparse
 import csv
+import dataclasses
 import functools
 import io
 import json
@@ -247,6 +249,117 @@ def cmd_recall(args):
     return 0
 
 
+def explore_data(params, config, sp, doc, top, run_dir, index):
+    """The numbers behind the explore page: every token of `doc` (ids and pieces), the loss of
+    predicting it with the memory on and off (as `inspect`), and for each query position,
+    per head of the first memory layer, its `top` retrieved memories by attention weight:
+    document position and weight in thousandths (-1 and 0 where a slot held nothing)."""
+    ce_on, retrievals = per_token_loss(params, config, doc)
+    ce_off, _ = per_token_loss(mt.memory_off(params), config, doc)
+    T, n = config.segment_length, len(doc) - 1
+    pos = np.full((n, config.num_heads, top), -1, np.int64)
+    weight = np.zeros((n, config.num_heads, top), np.int64)
+    for seg, ret in enumerate(retrievals):
+        w, slots = ret[0]["weights"][0], ret[0]["slots"][0]  # the first memory layer: [H, T, K]
+        for t in range(min(T, n - seg * T)):
+            for h in range(config.num_heads):
+                for r, k in enumerate(np.argsort(-w[h, t], kind="stable")[:top]):
+                    if w[h, t, k] > 0:
+                        pos[seg * T + t, h, r] = slot_position(int(slots[h, t, k]), seg, config)
+                        weight[seg * T + t, h, r] = round(1000 * float(w[h, t, k]))
+    gain = ce_off - ce_on
+    return {"run": os.path.abspath(run_dir), "doc": index, "config": dataclasses.asdict(config),
+            "summary": {"tokens": n, "loss": float(ce_on.mean()), "loss_memory_off": float(ce_off.mean()),
+                        "mean_gain": float(gain.mean()), "improved": float(np.mean(gain > 0))},
+            "layer": config.active_memory_layers[0], "heads": config.num_heads, "top": top,
+            "ids": [int(t) for t in doc], "pieces": [sp.id_to_piece(int(t)).replace("\u2581", " ") for t in doc],
+            "loss": [round(float(x), 4) for x in ce_on], "loss_memory_off": [round(float(x), 4) for x in ce_off],
+            "memory_pos": pos.ravel().tolist(), "memory_weight": weight.ravel().tolist()}
+
+
+def cmd_explore(args):
+    config, params, sp, run_args = load_run(args.run_dir)
+    if not config.active_memory_layers:
+        raise UsageError(f"{args.run_dir} has no memory to explore.")
+    doc, _ = _doc(args, run_args, sp, config)
+    page = explore_data(params, config, sp, doc, args.top, args.run_dir, args.doc)
+    blob = json.dumps(page, separators=(",", ":")).replace("</", "<\\/")  # nothing in it can close the script
+    train.atomic_write(args.out, EXPLORE_PAGE.replace("__DATA__", blob))
+    s = page["summary"]
+    print(f"{args.out}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} (memory off "
+          f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory")
+    return 0
+
+
+# One self-contained file: the data above as JSON, a style sheet and a script; no network.
+EXPLORE_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>Memorizing Transformer: what the memory retrieves</title>
+<style>
+body { font: 14px/1.4 system-ui, sans-serif; margin: 0; display: flex; height: 100vh; }
+#left { flex: 3; overflow: auto; padding: 12px 16px; }
+#right { flex: 2; overflow: auto; padding: 12px 16px; border-left: 1px solid #ccc; background: #fafafa; }
+#doc { font: 13px/1.5 ui-monospace, monospace; white-space: pre-wrap; }
+#doc span { cursor: pointer; border-radius: 2px; }
+#doc span.sel { outline: 2px solid #000; }
+table { border-collapse: collapse; font-size: 12px; } td, th { padding: 2px 6px; text-align: right; }
+td.ctx { text-align: left; font-family: ui-monospace, monospace; white-space: pre; }
+.legend span { display: inline-block; width: 44px; text-align: center; font-size: 11px; }
+mark { background: #ffd54f; }
+</style></head><body>
+<div id="left"><h3 id="title"></h3><div id="numbers"></div>
+<p class="legend">memory lowered the loss by (nats): <span id="scale"></span></p><div id="doc"></div></div>
+<div id="right"><p>Click a token: the memories its prediction retrieved, per head of the memory layer
+(weight = attention over the retrieved pairs; distance = tokens back).</p><div id="detail"></div>
+<details><summary>run config</summary><pre id="config"></pre></details></div>
+<script id="data" type="application/json">__DATA__</script>
+<script>
+const D = JSON.parse(document.getElementById("data").textContent);
+const H = D.heads, R = D.top, n = D.summary.tokens;
+function shade(g) {  // blue where the memory helped, red where it hurt
+  const a = Math.min(1, Math.abs(g) / 2);
+  return g >= 0 ? `rgba(30, 110, 230, ${a})` : `rgba(220, 40, 40, ${a})`;
+}
+const text = (a, b) => D.pieces.slice(Math.max(0, a), Math.max(0, b)).join("");
+document.getElementById("title").textContent = `${D.run}: validation document ${D.doc}`;
+document.getElementById("numbers").textContent =
+  `${n} predicted tokens | loss ${D.summary.loss.toFixed(4)} nats, memory off ` +
+  `${D.summary.loss_memory_off.toFixed(4)} | ${(100 * D.summary.improved).toFixed(1)}% of tokens improved | ` +
+  `memory layer ${D.layer}, M = ${D.config.memory_size}, T = ${D.config.segment_length}, k = ${D.config.num_neighbors}`;
+document.getElementById("config").textContent = JSON.stringify(D.config, null, 1);
+for (const g of [-2, -1, -0.5, 0, 0.5, 1, 2]) {
+  const s = document.createElement("span"); s.style.background = shade(g); s.textContent = g;
+  document.getElementById("scale").appendChild(s);
+}
+const doc = document.getElementById("doc"), frag = document.createDocumentFragment();
+D.pieces.forEach((p, j) => {  // token j is predicted at query j - 1
+  const s = document.createElement("span"); s.textContent = p; s.dataset.j = j;
+  if (j > 0) s.style.background = shade(D.loss_memory_off[j - 1] - D.loss[j - 1]);
+  frag.appendChild(s);
+});
+doc.appendChild(frag);
+let selected = null;
+doc.addEventListener("click", (e) => {
+  const j = +e.target.dataset.j;
+  if (!e.target.dataset.j || j === 0) return;
+  if (selected) selected.classList.remove("sel");
+  selected = e.target; selected.classList.add("sel");
+  const i = j - 1, on = D.loss[i], off = D.loss_memory_off[i];
+  let html = `<h4>query ${i}: ${JSON.stringify(D.pieces[i])} &rarr; ${JSON.stringify(D.pieces[j])}</h4>` +
+    `<p>loss ${on.toFixed(3)} with memory, ${off.toFixed(3)} without: gain ${(off - on).toFixed(3)} nats</p>` +
+    `<table><tr><th>head</th><th>weight</th><th>memory</th><th>distance</th><th>context</th></tr>`;
+  const esc = (t) => t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  for (let h = 0; h < H; h++) for (let r = 0; r < R; r++) {
+    const k = (i * H + h) * R + r, pos = D.memory_pos[k];
+    if (pos < 0) continue;
+    html += `<tr><td>${h}</td><td>${(D.memory_weight[k] / 1000).toFixed(3)}</td><td>${pos}</td><td>${i - pos}</td>` +
+      `<td class="ctx">${esc(text(pos - 24, pos))}<mark>${esc(D.pieces[pos])}</mark>${esc(text(pos + 1, pos + 8))}</td></tr>`;
+  }
+  document.getElementById("detail").innerHTML = html + "</table>";
+});
+</script></body></html>
+"""
+
+
 TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, XL cache)
     ("no memory", 0, False), ("XL cache", 0, True), ("memory 4T", 4, False),
     ("memory 4T + XL", 4, True), ("memory 16T + XL", 16, True)]
@@ -325,6 +438,12 @@ def build_parser():
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--top", type=positive, default=10, help="tokens to show")
+    s = with_run("explore", "an HTML page of a document: each token shaded by how much the memory lowered its "
+                 "loss, and what its prediction retrieved (Fig. 7, Appendix B)")
+    s.add_argument("--doc", type=count, default=0, help="validation document index")
+    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument("--top", type=positive, default=4, help="memories kept per query and head")
+    s.add_argument("--out", required=True, help="the HTML file to write")
     s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
     s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="run the model, store the memory and score "
@@ -346,10 +465,10 @@ def build_parser():
 
 
 def run(args):
-    for name in ("json", "csv", "plot"):
+    for name in ("json", "csv", "plot", "out"):
         if getattr(args, name, None):
             train.check_output_file(getattr(args, name), name)
-    return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect,
+    return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect, "explore": cmd_explore,
             "recall": cmd_recall, "table": cmd_table}[args.command](args)
 
 

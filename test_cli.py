@@ -23,10 +23,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import benchmark
 import data
 import evaluate
+import sample
 import train
 from test_train import FAST, HERE
 
-SCRIPTS = {"train": train.main, "evaluate": evaluate.main, "benchmark": benchmark.main}
+SCRIPTS = {"train": train.main, "evaluate": evaluate.main, "benchmark": benchmark.main, "sample": sample.main}
 
 
 @pytest.fixture(scope="module")

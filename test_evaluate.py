@@ -164,3 +164,65 @@ def test_broken_runs_and_bad_paths_get_one_sentence_and_exit_code_2(tmp_path, ru
     (broken / "tokenizer.model").write_text("not a model")
     assert evaluate.main(["perplexity", str(broken)]) == 2
     assert "not a SentencePiece model" in capsys.readouterr().err
+
+
+def test_explore_page_is_self_contained_and_holds_the_documents_tokens_and_compares_and_inspects_numbers(
+        run_dir, tmp_path, capsys):
+    import argparse
+    import re
+    from html.parser import HTMLParser
+
+    page = tmp_path / "page.html"
+    assert evaluate.main(["explore", run_dir, "--max-tokens", "300", "--out", str(page), "--top", "3"]) == 0
+    capsys.readouterr()
+
+    class Page(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.external, self.scripts, self.current = [], {}, None
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if attrs.get("src") or (tag == "link" and attrs.get("href")):
+                self.external.append((tag, attrs))
+            if tag == "script":
+                self.current = attrs.get("id", "code")
+                self.scripts[self.current] = ""
+
+        def handle_data(self, text):
+            if self.current:
+                self.scripts[self.current] += text
+
+        def handle_endtag(self, tag):
+            self.current = None if tag == "script" else self.current
+
+    parsed = Page()
+    parsed.feed(page.read_text())
+    assert parsed.external == [] and "http" not in parsed.scripts["code"]
+    d = json.loads(parsed.scripts["data"])
+    # Exactly the document's tokens, in order.
+    config, _, sp, run_args = evaluate.load_run(run_dir)
+    docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
+    doc = docs[0][:301]
+    assert d["ids"] == doc.tolist() and d["pieces"] == [sp.id_to_piece(int(t)).replace("\u2581", " ") for t in doc]
+    # The losses are compare's (memory size 0 is the memory-off ablation: no memory path at all).
+    csv_path = tmp_path / "c.csv"
+    assert evaluate.main(["compare", run_dir, "--memory-sizes", f"0,{config.memory_size}", "--max-tokens", "300",
+                          "--csv", str(csv_path)]) == 0
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["target"]) for r in rows] == d["ids"][1:]
+    np.testing.assert_allclose(d["loss_memory_off"], [float(r["ce_a"]) for r in rows], atol=2e-4)
+    np.testing.assert_allclose(d["loss"], [float(r["ce_b"]) for r in rows], atol=2e-4)
+    # The retrievals are inspect's: its first line for each query is that head's top memory.
+    capsys.readouterr()
+    assert evaluate.main(["inspect", run_dir, "--max-tokens", "300", "--top", "5"]) == 0
+    H, R = d["heads"], d["top"]
+    blocks = re.findall(r"query (\d+): .*?gain ([-+.\d]+).*?\n\s+head (\d+) weight ([.\d]+) memory\s+(\d+):",
+                        capsys.readouterr().out)
+    assert len(blocks) == 5
+    for i, gain, h, w, pos in blocks:
+        i, h, k = int(i), int(h), (int(i) * H + int(h)) * R
+        assert d["memory_pos"][k] == int(pos)
+        assert abs(d["memory_weight"][k] / 1000 - float(w)) <= 0.0015
+        assert abs(d["loss_memory_off"][i] - d["loss"][i] - float(gain)) <= 0.0015

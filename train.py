@@ -634,6 +634,9 @@ def initial_state(config, args, out, stream):
     state = mt.init_state(config, config.batch_size)
     if args.resume:
         path = os.path.join(out, "checkpoint.npz")
+        if not os.path.isfile(path):
+            raise UsageError(f"{out} has no checkpoint to resume from (stopped before its first save); "
+                             f"delete the directory to start the run again.")
         meta, arrays = load_checkpoint(path)
         params = restore_tree(params, arrays, "params", path)
         opt_state = restore_tree(opt_state, arrays, "opt", path)

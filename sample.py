@@ -1,0 +1,157 @@
+"""Generate text from a trained run, with its memory: the prompt streams through the model
+segment by segment, as in training, and the continuation can retrieve from all of it.
+
+  python sample.py RUN_DIR --prompt "def main(" --tokens 200
+  python sample.py RUN_DIR --prompt-file long_file.py --tokens 100 --temperature 0   # greedy
+  python sample.py RUN_DIR --prompt-file long_file.py --tokens 100 --memory-off      # gates at 0
+  python sample.py RUN_DIR --prompt-doc 0 --prompt-tokens 700 --tokens 3 --temperature 0 --echo
+
+How it decodes. A segment of T tokens is the model's unit. Every complete segment (of the
+prompt, then of the generated text) goes through `forward` once, which writes it to the
+memory and the XL cache exactly as training and evaluation do. The tokens of the segment
+that is not yet complete are run again for every new token, padded to T, and only the
+logits at the last real position are read; the state that call returns is dropped. So a
+new token costs one forward pass over T positions where an incremental key/value cache
+would compute one: simple, and the logits are exactly those of streaming the whole text.
+"""
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
+    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+
+import argparse
+import functools
+import sys
+
+import jax
+import numpy as np
+
+import evaluate
+import memorizing_transformer as mt
+import train
+
+
+@functools.lru_cache(maxsize=8)
+def _segment_step(config):
+    """forward over one segment of one row, jitted once per config; the state is not donated
+    (a partial segment's call must leave it as it was)."""
+    return jax.jit(lambda params, state, tokens, reset, mask: mt.forward(params, state, tokens, reset, config,
+                                                                         mask=mask))
+
+
+def next_token(logits, temperature, top_k, rng):
+    """Greedy for temperature 0; else a draw from softmax(logits / temperature), restricted
+    to the top_k most likely tokens when top_k is given."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if top_k and top_k < len(z):
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    p = np.exp(z - z.max())
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def generate(params, config, prompt, num_tokens, temperature=1.0, top_k=None, seed=0, vocab=None, on_token=None):
+    """Continue `prompt` (token ids) by num_tokens tokens; returns the new ids. vocab: draw
+    only ids below it (a tokenizer may have fewer pieces than the model's vocab_size).
+    on_token(id) is called as each token is chosen."""
+    if not len(prompt):
+        raise ValueError("the prompt has no tokens.")
+    T, step = config.segment_length, _segment_step(config)
+    rng = np.random.default_rng(seed)
+    state, text, done = mt.init_state(config, 1), [int(t) for t in prompt], 0  # text[:done] is in the state
+
+    def run(segment, state):
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :len(segment)] = segment
+        mask = np.arange(T)[None] < len(segment)
+        return step(params, state, tokens, np.array([done == 0]), mask)
+
+    new = []
+    while len(new) < num_tokens:
+        while len(text) - done > T:  # a complete segment with a token after it: into the state
+            _, state = run(text[done:done + T], state)
+            done += T
+        logits, _ = run(text[done:], state)  # 1 to T tokens; the state it returns is dropped
+        token = next_token(np.asarray(logits[0, len(text) - done - 1, :vocab]), temperature, top_k, rng)
+        text.append(token)
+        new.append(token)
+        if on_token:
+            on_token(token)
+    return new
+
+
+def build_parser():
+    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("run_dir", help="a train.py output directory")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", help="a UTF-8 file whose whole text is the prompt")
+    prompt.add_argument("--prompt-doc", type=train.count, metavar="N", help="validation document N of the run's "
+                        "corpus (as evaluate.py numbers them), cut at --prompt-tokens")
+    p.add_argument("--prompt-tokens", type=train.positive_int, help="with --prompt-doc: the first this many "
+                   "tokens are the prompt (None: the whole document)")
+    p.add_argument("--tokens", type=train.positive_int, default=100, help="tokens to generate")
+    p.add_argument("--temperature", type=train.finite_float, default=1.0, help="0 = greedy (argmax)")
+    p.add_argument("--top-k", type=train.positive_int, help="draw only from the K most likely tokens")
+    p.add_argument("--seed", type=train.int_at_least(0, 2 ** 32 - 1), default=0, help="seed of the draws")
+    p.add_argument("--memory-size", type=train.count, help="memory slots M (default: the run's)")
+    p.add_argument("--memory-off", action="store_true", help="force every gate to 0: local attention and XL "
+                   "cache only, the memory-off ablation")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    return p
+
+
+def sample(args):
+    if args.temperature < 0:
+        raise train.UsageError(f"--temperature must be >= 0, got {args.temperature}.")
+    if args.prompt_tokens and args.prompt_doc is None:
+        raise train.UsageError("--prompt-tokens goes with --prompt-doc.")
+    text = args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, "rb") as f:
+                text = f.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise train.UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
+    config, params, sp, run_args = evaluate.load_run(args.run_dir, args.memory_size)
+    params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
+    if args.prompt_doc is not None:
+        docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
+        if args.prompt_doc >= len(docs):
+            raise train.UsageError(f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
+                                   f"{len(docs)} documents.")
+        prompt = [int(t) for t in docs[args.prompt_doc][:args.prompt_tokens]]
+        text = sp.decode(prompt)
+    else:
+        prompt = sp.encode(text)
+    if not prompt:
+        raise train.UsageError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file.")
+    if args.echo:
+        print(text, end="", flush=True)
+    ids = []
+
+    def show(token):  # decode the whole continuation so far: pieces of one character can span tokens
+        before = sp.decode(ids)
+        ids.append(token)
+        print(sp.decode(ids)[len(before):], end="", flush=True)
+
+    generate(params, config, prompt, args.tokens, args.temperature, args.top_k, args.seed, sp.get_piece_size(), show)
+    print(flush=True)
+    print(f"({len(prompt)} prompt tokens, {args.tokens} generated, memory "
+          f"{'off' if args.memory_off else config.memory_size})", file=sys.stderr)
+    return 0
+
+
+def main(argv=None):
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
+        return e.code
+    return train.run_command(sample, args)
+
+
+if __name__ == "__main__":
+    train.exit_with(main())

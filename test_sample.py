@@ -1,0 +1,87 @@
+"""sample.py: greedy decoding against streaming forward, seeds, and the command line."""
+import numpy as np
+import pytest
+
+import jax
+import memorizing_transformer as mt
+import sample
+import train
+from test_cli import assert_refused, call, finished_run, cache  # noqa: F401  (fixtures)
+
+# A toy model whose memory (M = 2T) fills and wraps many times over a prompt of 5T tokens.
+TOY = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64, segment_length=8,
+                memory_size=16, memory_layers=(1,), num_neighbors=4, batch_size=1)
+
+
+def streamed_logits(params, config, tokens):
+    """The reference: the whole text through forward in full segments, state carried, as in
+    evaluation; logits [len(tokens), V] (position i predicts token i + 1)."""
+    T, state, out = config.segment_length, mt.init_state(config, 1), []
+    for start in range(0, len(tokens), T):
+        seg = np.zeros((1, T), np.int32)
+        part = tokens[start:start + T]
+        seg[0, :len(part)] = part
+        logits, state = mt.forward(params, state, seg, np.array([start == 0]), config,
+                                   mask=np.arange(T)[None] < len(part))
+        out.append(np.asarray(logits[0, :len(part)]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("prompt_length", [1, 8, 43])  # inside a segment, exactly one, and > M with a remainder
+def test_greedy_decoding_is_the_argmax_of_streamed_forward_at_every_position(prompt_length):
+    params = mt.init_params(TOY, jax.random.PRNGKey(prompt_length))
+    params["layers"][1]["gate_bias"] = params["layers"][1]["gate_bias"] + 1.0  # lean on the memory
+    prompt = np.random.default_rng(prompt_length).integers(1, TOY.vocab_size, prompt_length)
+    new = sample.generate(params, TOY, prompt, 30, temperature=0)
+    text = np.concatenate([prompt, new])
+    logits = streamed_logits(params, TOY, text)
+    for i in range(prompt_length, len(text)):
+        assert text[i] == np.argmax(logits[i - 1]), i
+    assert len(text) > 4 * TOY.memory_size or prompt_length < 43  # the longest case wraps the memory
+
+
+def test_the_memory_changes_what_is_generated_and_the_seed_fixes_a_draw():
+    params = mt.init_params(TOY, jax.random.PRNGKey(0))
+    prompt = np.random.default_rng(0).integers(1, TOY.vocab_size, 40)
+    draw = lambda p, seed: sample.generate(p, TOY, prompt, 25, temperature=1.0, top_k=8, seed=seed)
+    assert draw(params, 3) == draw(params, 3)
+    assert draw(params, 3) != draw(params, 4)
+    assert sample.generate(params, TOY, prompt, 25, 0) != sample.generate(mt.memory_off(params), TOY, prompt, 25, 0)
+
+
+def test_top_k_and_vocab_restrict_the_draw():
+    rng = np.random.default_rng(0)
+    logits = np.array([0.0, 5.0, 4.0, 3.0, 9.0])
+    draws = {sample.next_token(logits[:4], 1.0, 2, rng) for _ in range(200)}
+    assert draws == {1, 2}
+    assert sample.next_token(logits, 0, None, rng) == 4
+
+
+def test_the_command_line_continues_a_prompt_and_refuses_bad_input(finished_run, tmp_path, capsys):  # noqa: F811
+    code, out, err = call("sample", [str(finished_run), "--prompt", "KALO FIBE\n", "--tokens", "40",
+                                     "--temperature", "0"], capsys)
+    assert code == 0, err
+    assert out.strip() and "40 generated" in err
+    again = call("sample", [str(finished_run), "--prompt", "KALO FIBE\n", "--tokens", "40", "--temperature", "0"],
+                 capsys)[1]
+    assert again == out
+    code, out, err = call("sample", [str(finished_run), "--prompt-doc", "0", "--prompt-tokens", "50", "--tokens", "5",
+                                     "--echo"], capsys)
+    assert code == 0 and "50 prompt tokens, 5 generated" in err
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    (tmp_path / "empty.txt").write_text("")
+    for argv, message in (([], "one of the arguments --prompt --prompt-file --prompt-doc is required"),
+                          (["--prompt", ""], "the prompt is empty"),
+                          (["--prompt-file", str(tmp_path / "missing.txt")], "No such file"),
+                          (["--prompt-file", str(tmp_path / "latin1.txt")], "is not UTF-8"),
+                          (["--prompt-file", str(tmp_path / "empty.txt")], "the prompt is empty"),
+                          (["--prompt", "x", "--tokens", "0"], "must be positive"),
+                          (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+                          (["--prompt", "x", "--temperature", "nan"], "finite"),
+                          (["--prompt", "x", "--top-k", "0"], "must be positive"),
+                          (["--prompt", "x", "--memory-size", "100"], "multiple of segment_length"),
+                          (["--prompt-doc", "99"], "out of range"),
+                          (["--prompt", "x", "--prompt-tokens", "5"], "goes with --prompt-doc")):
+        code, _, err = call("sample", [str(finished_run)] + argv, capsys)
+        assert_refused(code, err, argv)
+        assert message in err, (argv, err)
