@@ -232,11 +232,7 @@ def main(argv=None):
     p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
                    "that took the most time, and keep the trace, the HLO and the table in DIR")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
-        return e.code
-    return train.run_command(benchmark, args)
+    return train.run_main(p, benchmark, argv)
 
 
 def benchmark(args):

@@ -303,7 +303,7 @@ body { font: 14px/1.4 system-ui, sans-serif; margin: 0; display: flex; height: 1
 #doc span.sel { outline: 2px solid #000; }
 table { border-collapse: collapse; font-size: 12px; } td, th { padding: 2px 6px; text-align: right; }
 td.ctx { text-align: left; font-family: ui-monospace, monospace; white-space: pre; }
-.legend span { display: inline-block; width: 44px; text-align: center; font-size: 11px; }
+#scale span { display: inline-block; width: 44px; text-align: center; font-size: 11px; }
 mark { background: #ffd54f; }
 </style></head><body>
 <div id="left"><h3 id="title"></h3><div id="numbers"></div>
@@ -338,24 +338,27 @@ D.pieces.forEach((p, j) => {  // token j is predicted at query j - 1
 });
 doc.appendChild(frag);
 let selected = null;
-doc.addEventListener("click", (e) => {
-  const j = +e.target.dataset.j;
-  if (!e.target.dataset.j || j === 0) return;
+function show(target) {
+  const j = +target.dataset.j;
+  if (!target.dataset.j || j === 0) return;
   if (selected) selected.classList.remove("sel");
-  selected = e.target; selected.classList.add("sel");
+  selected = target; selected.classList.add("sel");
   const i = j - 1, on = D.loss[i], off = D.loss_memory_off[i];
   let html = `<h4>query ${i}: ${JSON.stringify(D.pieces[i])} &rarr; ${JSON.stringify(D.pieces[j])}</h4>` +
     `<p>loss ${on.toFixed(3)} with memory, ${off.toFixed(3)} without: gain ${(off - on).toFixed(3)} nats</p>` +
     `<table><tr><th>head</th><th>weight</th><th>memory</th><th>distance</th><th>context</th></tr>`;
-  const esc = (t) => t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  const esc = (t) => t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/\\n/g, "\u23ce");
   for (let h = 0; h < H; h++) for (let r = 0; r < R; r++) {
     const k = (i * H + h) * R + r, pos = D.memory_pos[k];
     if (pos < 0) continue;
     html += `<tr><td>${h}</td><td>${(D.memory_weight[k] / 1000).toFixed(3)}</td><td>${pos}</td><td>${i - pos}</td>` +
-      `<td class="ctx">${esc(text(pos - 24, pos))}<mark>${esc(D.pieces[pos])}</mark>${esc(text(pos + 1, pos + 8))}</td></tr>`;
+      `<td class="ctx">${esc(text(pos - 16, pos))}<mark>${esc(D.pieces[pos])}</mark>${esc(text(pos + 1, pos + 6))}</td></tr>`;
   }
   document.getElementById("detail").innerHTML = html + "</table>";
-});
+}
+doc.addEventListener("click", (e) => show(e.target));
+const start = /token=(\\d+)/.exec(location.hash);  // page.html#token=N opens with token N selected
+if (start && doc.children[+start[1]]) { show(doc.children[+start[1]]); if (selected) selected.scrollIntoView({block: "center"}); }
 </script></body></html>
 """
 
@@ -473,11 +476,7 @@ def run(args):
 
 
 def main(argv=None):
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
-        return e.code
-    return train.run_command(run, args)
+    return train.run_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -146,11 +146,7 @@ def sample(args):
 
 
 def main(argv=None):
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
-        return e.code
-    return train.run_command(sample, args)
+    return train.run_main(build_parser(), sample, argv)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def snapshot(*roots):
             for f in files:
                 p = os.path.join(dirpath, f)
                 if os.path.islink(p):
-                    found[p] = (0, os.readlink(p).encode())
+                    found[p] = (0, os.fsencode(os.readlink(p)))
                 else:
                     with open(p, "rb") as fh:
                         found[p] = (stat.S_IMODE(os.stat(p).st_mode), fh.read())
@@ -180,6 +180,10 @@ def evaluate_faults(command):
                     ["--memory-sizes", "100,0"], ["--doc", "99"], ["--doc", "-1"], ["--max-tokens", "-1"]],
         "inspect": [["--doc", "99"], ["--top", "0"], ["--max-tokens", "-5"], ["--data", "/no/such"]],
         "recall": [["--memory-size", "100"], ["--dtype", "float16"], ["--doc", "99"], ["--max-tokens", "20"]],
+        "explore": [["--doc", "99"], ["--top", "0"], ["--max-tokens", "-1"], ["--data-format", "nope"]],
+        "sample": [["--tokens", "0"], ["--temperature", "-1"], ["--temperature", "nan"], ["--top-k", "0"],
+                   ["--memory-size", "100"], ["--prompt-doc", "99"], ["--prompt-tokens", "5"], ["--prompt", ""],
+                   ["--seed", "-2"], ["--prompt-file", "/no/such/file"]],
         "table": [["--rows", "bogus"], ["--segment-length", "100000"], ["--steps", "0"], ["--batch-size", "0"],
                   ["--num-neighbors", "100000"]],
     }[command]
@@ -189,9 +193,12 @@ def evaluate_faults(command):
         "compare": [lambda ws: ["--csv", str(ws)], lambda ws: ["--plot", str(ws / "no" / "p.png")]],
         "inspect": [lambda ws: ["--data", str(ws / "empty")]],
         "recall": [lambda ws: ["--json", str(ws)]],
+        "explore": [lambda ws: ["--out", str(ws)], lambda ws: ["--out", str(ws / "afile" / "p.html")]],
+        "sample": [lambda ws: ["--prompt-file", str(ws)], lambda ws: ["--prompt-file", str(ws / "afile"),
+                                                                      "--prompt-doc", "0"]],
         "table": [lambda ws: ["--out-root", str(ws / "afile")]],
     }[command]
-    sized = ["--memory-size"] if command in ("perplexity", "recall") else []
+    sized = ["--memory-size"] if command in ("perplexity", "recall", "sample") else []
     return (st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace) |
             (huge_memory.map(lambda m: (lambda ws: ["--memory-size", m])) if sized else st.nothing()))
 
@@ -242,8 +249,8 @@ def odd_corpora(draw):
 @st.composite
 def probes(draw):
     """(script, argv as a function of the workspace, run-file faults)."""
-    command = draw(st.sampled_from(["train", "train on odd files", "train --resume", "perplexity", "compare", "inspect", "recall", "table",
-                                    "benchmark"]))
+    command = draw(st.sampled_from(["train", "train on odd files", "train --resume", "perplexity", "compare", "inspect", "explore", "recall",
+                                    "table", "sample", "benchmark"]))
     if command == "train":
         flags = draw(st.lists(train_faults(), min_size=1, max_size=3))
         return "train", lambda ws: FAST + ["--out", str(ws / "new")] + sum((f(ws) for f in flags), []), []
@@ -258,13 +265,17 @@ def probes(draw):
     if command == "benchmark":
         flags = draw(st.lists(benchmark_faults(), min_size=1, max_size=2))
         return "benchmark", lambda ws: sum((f(ws) for f in flags), []), []
-    need = {"compare": lambda ws: ["--memory-sizes", "0,64", "--csv", str(ws / "out.csv")]}.get(command, lambda ws: [])
+    need = {"compare": lambda ws: ["--memory-sizes", "0,64", "--csv", str(ws / "out.csv")],
+            "explore": lambda ws: ["--out", str(ws / "page.html")],
+            "sample": lambda ws: ["--prompt", "KALO", "--tokens", "3"]}.get(command, lambda ws: [])
     if command == "table":
         flags = draw(st.lists(evaluate_faults("table"), min_size=1, max_size=2))
         return "evaluate", lambda ws: ["table", "--data", "synthetic:40", "--steps", "2",
                                        "--out-root", str(ws / "table")] + sum((f(ws) for f in flags), []), []
     files = draw(st.lists(run_file_faults(), max_size=2))
     flags = draw(st.lists(evaluate_faults(command), min_size=0 if files else 1, max_size=2))
+    if command == "sample":
+        return "sample", lambda ws: [str(ws / "run")] + need(ws) + sum((f(ws) for f in flags), []), files
     return "evaluate", lambda ws: [command, str(ws / "run")] + need(ws) + sum((f(ws) for f in flags), []), files
 
 

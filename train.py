@@ -448,6 +448,16 @@ def run_command(command, args):
             signal.signal(s, handler)
 
 
+def run_main(parser, command, argv):
+    """A script's main(): parse argv (--help, or a bad flag printed in one line, end here with
+    exit code 0 or 2), then run_command."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code
+    return run_command(command, args)
+
+
 def exit_with(code):
     """sys.exit, except after an interrupt: leave at once (os._exit), without the interpreter's
     teardown, which can crash while JAX's threads still run a computation."""
@@ -820,11 +830,7 @@ def _truncate_metrics(path, step, final=False):
 
 
 def main(argv=None):
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (already printed in one line)
-        return e.code
-    return run_command(train, args)
+    return run_main(build_parser(), train, argv)
 
 
 if __name__ == "__main__":
