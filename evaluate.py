@@ -25,6 +25,7 @@ import functools
 import io
 import json
 import math
+import re
 import sys
 
 import jax
@@ -249,6 +250,15 @@ def cmd_recall(args):
     return 0
 
 
+def token_text(sp, token):
+    """How a token reads on the page: its piece, with SentencePiece's word mark as a space and
+    a byte piece of an ASCII character as that character (other bytes stay <0xNN>)."""
+    piece = sp.id_to_piece(int(token)).replace("\u2581", " ")
+    if re.fullmatch(r"<0x[0-7][0-9A-F]>", piece):
+        return chr(int(piece[3:5], 16))
+    return piece
+
+
 def explore_data(params, config, sp, doc, top, run_dir, index):
     """The numbers behind the explore page: every token of `doc` (ids and pieces), the loss of
     predicting it with the memory on and off (as `inspect`), and for each query position,
@@ -272,7 +282,7 @@ def explore_data(params, config, sp, doc, top, run_dir, index):
             "summary": {"tokens": n, "loss": float(ce_on.mean()), "loss_memory_off": float(ce_off.mean()),
                         "mean_gain": float(gain.mean()), "improved": float(np.mean(gain > 0))},
             "layer": config.active_memory_layers[0], "heads": config.num_heads, "top": top,
-            "ids": [int(t) for t in doc], "pieces": [sp.id_to_piece(int(t)).replace("\u2581", " ") for t in doc],
+            "ids": [int(t) for t in doc], "pieces": [token_text(sp, t) for t in doc],
             "loss": [round(float(x), 4) for x in ce_on], "loss_memory_off": [round(float(x), 4) for x in ce_off],
             "memory_pos": pos.ravel().tolist(), "memory_weight": weight.ravel().tolist()}
 
@@ -352,7 +362,7 @@ function show(target) {
     const k = (i * H + h) * R + r, pos = D.memory_pos[k];
     if (pos < 0) continue;
     html += `<tr><td>${h}</td><td>${(D.memory_weight[k] / 1000).toFixed(3)}</td><td>${pos}</td><td>${i - pos}</td>` +
-      `<td class="ctx">${esc(text(pos - 16, pos))}<mark>${esc(D.pieces[pos])}</mark>${esc(text(pos + 1, pos + 6))}</td></tr>`;
+      `<td class="ctx">${esc(text(pos - 8, pos))}<mark>${esc(D.pieces[pos])}</mark>${esc(text(pos + 1, pos + 4))}</td></tr>`;
   }
   document.getElementById("detail").innerHTML = html + "</table>";
 }

@@ -204,7 +204,8 @@ def test_explore_page_is_self_contained_and_holds_the_documents_tokens_and_compa
     config, _, sp, run_args = evaluate.load_run(run_dir)
     docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
     doc = docs[0][:301]
-    assert d["ids"] == doc.tolist() and d["pieces"] == [sp.id_to_piece(int(t)).replace("\u2581", " ") for t in doc]
+    assert d["ids"] == doc.tolist() and d["pieces"] == [evaluate.token_text(sp, t) for t in doc]
+    assert "".join(d["pieces"]) == sp.decode(doc.tolist())  # synthetic text is ASCII: each piece reads as itself
     # The losses are compare's (memory size 0 is the memory-off ablation: no memory path at all).
     csv_path = tmp_path / "c.csv"
     assert evaluate.main(["compare", run_dir, "--memory-sizes", f"0,{config.memory_size}", "--max-tokens", "300",
