@@ -538,7 +538,7 @@ def test_ctrl_c_while_starting_and_during_the_final_evaluation(tmp_path, cache):
     proc = launch("train.py", FAST + ["--out", str(run), "--cache-dir", cache, "--steps", "2", "--valid-fraction",
                                       "0.5", "--eval-docs", "20", "--eval-tokens", "2000"])
     wait_for_line(proc, "step      2")
-    time.sleep(1.0)  # past the last save: compiling or running the final evaluation (several seconds)
+    time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
     proc.send_signal(signal.SIGINT)
     assert "final evaluation" in assert_interrupted(proc)
     assert not (run / "eval.json").exists()
