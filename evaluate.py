@@ -111,18 +111,20 @@ def _stream_step(config):
 # ----------------------------------------------------------------------------- subcommands
 def cmd_perplexity(args):
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
+    if args.exact_topk is not None:  # Sec. 3.3: the same weights with the exact or the binned top-k
+        config = config.replace(exact_topk=args.exact_topk)
     docs, refs = validation_docs(args, run_args, sp, config)
     eval_docs, eval_tokens = args.eval_docs or run_args["eval_docs"], args.eval_tokens or run_args["eval_tokens"]
     docs = [d[:eval_tokens + 1] for d in docs[:eval_docs]]
     refs = [r[:len(d)] for d, r in zip(docs, refs)]
     # Synthetic data marks the referenced values: their loss is reported apart, by distance.
     distances = [data.reference_distances(d, r) for d, r in zip(docs, refs)] if any(r.any() for r in refs) else None
-    result = {"memory_size": config.memory_size,
+    result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk,
               **train.full_evaluation(params, config, docs, distances, train.make_eval_step(train.step_config(config)))}
     line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {result['tokens']} tokens)"
     if config.active_memory_layers:
         line += f" | memory off: {result['perplexity_memory_off']:.3f}"
-    print(f"memory {config.memory_size}: {line}")
+    print(f"memory {config.memory_size}{', exact top-k' if config.exact_topk else ''}: {line}")
     for band in ("",) + tuple(f"_{b}" for b in train.DISTANCE_BANDS):
         if f"reference_loss{band}" in result:
             off = result.get(f"reference_loss{band}_memory_off")
@@ -241,7 +243,7 @@ def cmd_recall(args):
         raise UsageError(f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
                          f"pick a longer one with --doc.")
     bins = mt.num_topk_bins(K, config.memory_size, config.topk_recall_target)
-    result = {"memory_size": config.memory_size, "k": K, "bins": bins, "recall": hits / total,
+    result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk, "k": K, "bins": bins, "recall": hits / total,
               "expected_random": (bins / K) * (1 - (1 - 1 / bins) ** K), "retrievals": total // K}
     print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
           f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")
@@ -440,6 +442,8 @@ def build_parser():
     s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
     s.add_argument("--eval-docs", type=positive, help="validation documents (default: the run's --eval-docs)")
     s.add_argument("--eval-tokens", type=positive, help="tokens from each document's start (default: the run's)")
+    s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
+                   "approximate top-k (default: the run's)")
     s.add_argument("--json", help="write the result here")
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
     s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")

@@ -48,6 +48,20 @@ def test_perplexity_matches_the_training_runs_final_evaluation(run_dir, tmp_path
     assert r["perplexity_memory_off"] == pytest.approx(ev["perplexity_memory_off"], rel=1e-5)
 
 
+def test_perplexity_with_exact_topk_scores_the_same_weights_with_the_exact_search(run_dir, tmp_path):
+    import argparse
+    out = tmp_path / "p.json"
+    assert evaluate.main(["perplexity", run_dir, "--exact-topk", "--eval-tokens", "200", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    config, params, sp, run_args = evaluate.load_run(run_dir)
+    docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
+    exact = config.replace(exact_topk=True)
+    want = train.evaluate(params, exact, [d[:201] for d in docs[:2]], config.batch_size,
+                          train.make_eval_step(train.step_config(exact)))
+    assert r["exact_topk"] is True and r["tokens"] == want["tokens"]
+    assert r["perplexity"] == pytest.approx(want["perplexity"], rel=1e-6)
+
+
 def test_perplexity_scores_by_default_what_the_run_scored(run_dir, tmp_path):
     """The run's own --eval-docs, --eval-tokens and --min-doc-tokens filter (Sec. 4.1's
     C4(4K+)) are evaluate.py's defaults: with no flags, `perplexity` equals eval.json."""
