@@ -180,6 +180,46 @@ def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tm
             np.testing.assert_allclose(after[gate], 0.0, atol=1e-6)  # fresh: g = 0.5
 
 
+def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_fresh_start(tmp_path, cache):
+    """Sec. 4.4 fine-tunes "for an additional 20K steps": the step count (so the schedule, no
+    second warmup) and Adafactor's statistics continue; --fresh-start restarts them."""
+    assert run(tmp_path / "src", cache, "--steps", "3") == 0
+    meta, src = train.load_checkpoint(str(tmp_path / "src" / "checkpoint.npz"))
+    assert meta["step"] == 3
+    for extra, first in (([], 4), (["--fresh-start"], 1)):
+        out = tmp_path / f"ft{first}"
+        assert run(out, cache, "--steps", "2", "--memory-size", "128", "--init-from", str(tmp_path / "src"), *extra) == 0
+        with open(out / "metrics.jsonl") as f:
+            logged = [r for r in map(json.loads, f) if "loss" in r]
+        assert [r["step"] for r in logged] == [first, first + 1]
+        lr = float(train.learning_rate(first, mt.PRESETS["tiny"].lr, mt.PRESETS["tiny"].warmup_steps))
+        assert logged[0]["lr"] == pytest.approx(lr, rel=1e-6)
+        _, after = train.load_checkpoint(str(out / "checkpoint.npz"))
+        assert int(after["opt['count']"]) == first + 1
+        if first == 4:
+            assert json.loads((out / "config.json").read_text())["config"]["steps"] == 5
+    assert run(tmp_path / "bad", cache, "--fresh-start") == 2
+
+
+def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
+    """A run without memory has no gate: adding one shifts every later parameter's place in
+    Adafactor's lists, so the statistics must follow the names, not the places."""
+    c0, c1 = mt.PRESETS["tiny"].replace(memory_size=0), mt.PRESETS["tiny"]
+    p0, p1 = mt.init_params(c0, jax.random.PRNGKey(0)), mt.init_params(c1, jax.random.PRNGKey(0))
+    init0, _ = train.make_optimizer(c0)
+    s0 = init0(p0)
+    names0 = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
+    s0 = {**s0, "count": jnp.int32(7), "v": [jax.tree.map(lambda x, i=i: x + i + 1, v) for i, v in enumerate(s0["v"])]}
+    arrays = {f"opt{k}": v for k, v in train._flat(s0).items()}
+    got = train.restore_optimizer(train.make_optimizer(c1)[0](p1), p1, arrays, c0, "ckpt")
+    assert int(got["count"]) == 7
+    for (path, _), v in zip(jax.tree_util.tree_flatten_with_path(p1)[0], got["v"]):
+        name = jax.tree_util.keystr(path)
+        want = names0.index(name) + 1 if name in names0 else 0  # the gate is new: fresh zeros
+        for x in jax.tree.leaves(v):
+            np.testing.assert_array_equal(x, want, err_msg=name)
+
+
 def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path, cache, monkeypatch):
     assert run(tmp_path / "r", cache, "--steps", "2") == 0
     path = str(tmp_path / "r" / "checkpoint.npz")

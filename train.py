@@ -3,7 +3,7 @@
   python train.py                                  # tiny preset on the stdlib, ~10 min on a CPU
   python train.py --preset small --data PATH       # one GPU
   python train.py --out runs/a --resume            # continue an interrupted run exactly
-  python train.py --init-from runs/a --memory-size 2048   # fine-tune to a larger memory (Sec. 4.4)
+  python train.py --init-from runs/a --memory-size 2048 --steps 200   # fine-tune to a larger memory (Sec. 4.4)
 
 Everything a run produces goes to --out: config.json, metrics.jsonl (one JSON object per
 logged step and per evaluation), eval.json, tokenizer.model and checkpoint.npz.
@@ -326,6 +326,24 @@ def restore_tree(template, arrays, prefix, path, strict=True):
 RUN_ARGS = {"data": str, "data_format": str, "valid_fraction": float, "eval_docs": int, "eval_tokens": int}
 
 
+def restore_optimizer(opt_state, params, arrays, source_config, path):
+    """Adafactor's state from another run's checkpoint (fine-tuning): the step count, and each
+    parameter's statistics matched by the parameter's name. (The statistics are lists in the
+    order of the parameter leaves, which a new parameter, a gate, shifts.) A parameter the
+    source lacks keeps fresh statistics."""
+    names = lambda tree: [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    source = {n: i for i, n in enumerate(names(jax.eval_shape(
+        lambda: mt.init_params(source_config, jax.random.PRNGKey(0)))))}
+    index = [source.get(n) for n in names(params)]  # this run's leaf j -> the source's leaf, or None
+
+    def statistics(key):
+        return [x if i is None else restore_tree(x, arrays, f"opt['{key}'][{i}]", path)
+                for x, i in zip(opt_state[key], index)]
+
+    return {"count": restore_tree(opt_state["count"], arrays, "opt['count']", path),
+            "v": statistics("v"), "m": None if opt_state["m"] is None else statistics("m")}
+
+
 def read_run_config(run_dir):
     """A run's config.json as {"config": Config, "args": dict}; a broken file is a UsageError."""
     path = os.path.join(run_dir, "config.json")
@@ -533,8 +551,12 @@ def build_parser():
                    "holds a run unless --resume is given")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (a "
                    "finished run with its eval.json: nothing to do, unless --steps goes further)")
-    p.add_argument("--init-from", metavar="RUN_DIR", help="start from another run's weights (a different "
-                   "memory size, or a run without memory: new parameters start fresh)")
+    p.add_argument("--init-from", metavar="RUN_DIR", help="fine-tune another run (Sec. 4.4): its weights, and its "
+                   "step count, learning-rate schedule and Adafactor statistics continue, for --steps more steps "
+                   "(a different memory size, or a run without memory: new parameters start fresh); the data "
+                   "stream starts anew")
+    p.add_argument("--fresh-start", action="store_true", help="with --init-from: take only the weights; the step "
+                   "count, the warmup and Adafactor's statistics start from 0")
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between printed lines")
     p.add_argument("--eval-every", type=count, default=500, help="steps between evaluations (0 = only at the end)")
     p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints")
@@ -606,6 +628,8 @@ def run_config(args):
     tokenizer (None: train one). Reads, never writes."""
     if args.resume and args.init_from:
         raise UsageError("--resume and --init-from cannot be combined.")
+    if args.fresh_start and not args.init_from:
+        raise UsageError("--fresh-start goes with --init-from.")
     if args.resume and not args.out:
         raise UsageError("--resume needs --out, the run to continue.")
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
@@ -660,7 +684,11 @@ def initial_state(config, args, out, stream):
         return params, opt_state, state, meta["step"]
     if args.init_from:
         path = os.path.join(args.init_from, "checkpoint.npz")
-        params = restore_tree(params, load_checkpoint(path)[1], "params", path, strict=False)
+        meta, arrays = load_checkpoint(path)
+        params = restore_tree(params, arrays, "params", path, strict=False)
+        if not args.fresh_start:  # fine-tuning continues the schedule and the optimizer (meliad does too)
+            source = read_run_config(args.init_from)["config"]
+            return params, restore_optimizer(opt_state, params, arrays, source, path), state, meta["step"]
     return params, opt_state, state, 0
 
 
@@ -732,6 +760,8 @@ def train(args):
     train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
     stream = data.segment_batches(train_tokens, config.batch_size, config.segment_length, config.seed)
     params, opt_state, state, step = initial_state(config, args, out, stream)
+    if args.init_from and step:  # fine-tuning: --steps more steps after the checkpoint's
+        config = config.replace(steps=step + config.steps)
     if args.resume and step == config.steps and finished(out, step):
         print(f"{out} finished at step {step} (eval.json): nothing to do; give --steps to train further.")
         return 0
