@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import io
 import json
+import keyword
 import math
 import re
 import sys
@@ -143,6 +144,37 @@ def _doc(args, run_args, sp, config):
     return doc, refs[args.doc][:len(doc)]
 
 
+def token_kind(sp, token):
+    """Appendix B's classes of a target token: a number, a Python keyword or punctuation, an
+    identifier (any other word-like piece), or other (whitespace, bytes, mixed pieces)."""
+    text = token_text(sp, token).strip()
+    if re.fullmatch(r"\d[\w.]*", text):
+        return "number"
+    if keyword.iskeyword(text) or re.fullmatch(r"[^\w\s]+", text):
+        return "keyword/punct"
+    return "identifier" if re.fullmatch(r"\w+", text) else "other"
+
+
+def context_distance(doc, n=3):
+    """For each target doc[i], i >= 1: how many tokens back its context (the n tokens ending
+    at it) last occurred in the document, 0 if never. A context last seen beyond the local
+    window but within the memory is what only the memory can help to predict."""
+    last, out = {}, np.zeros(len(doc), np.int64)
+    for i in range(n - 1, len(doc)):
+        key = tuple(int(t) for t in doc[i - n + 1:i + 1])
+        out[i] = i - last[key] if key in last else 0
+        last[key] = i
+    return out[1:]
+
+
+def reach(distance, window, memory_size):
+    """Where a context last seen `distance` tokens back lies: new, in the window (local
+    attention and XL cache), in the memory, or beyond it."""
+    if distance == 0:
+        return "new"
+    return "window" if distance <= window else "memory" if distance <= window + memory_size else "beyond"
+
+
 def cmd_compare(args):
     try:
         a, b = (int(x) for x in args.memory_sizes.split(","))
@@ -155,16 +187,27 @@ def cmd_compare(args):
     ce_a, _ = per_token_loss(params_a, config_a, doc)
     ce_b, _ = per_token_loss(params_b, config_b, doc)
     delta = ce_a - ce_b  # Sec. 4.6: positive = the memory of size B helped
+    kinds = [token_kind(sp, t) for t in doc[1:]]
+    window = config_b.segment_length + config_b.cache_length
+    reaches = [reach(int(d), window, max(a, b)) for d in context_distance(doc)]
     table = io.StringIO(newline="")
     w = csv.writer(table)
-    w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta"])
+    w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta", "kind", "context_reach"])
     for i, (t, x, y, d) in enumerate(zip(doc[1:], ce_a, ce_b, delta)):
-        w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}"])
+        w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}", kinds[i], reaches[i]])
     train.atomic_write(args.csv, table.getvalue())
     print(f"memory {a} vs {b} on validation document {args.doc} ({len(delta)} tokens): mean delta "
           f"{delta.mean():+.4f} nats, {np.mean(delta > 0):.1%} of tokens improved")
     for i in np.argsort(-delta)[:10]:
         print(f"  token {i + 1:6d} {sp.id_to_piece(int(doc[i + 1]))!r:>16}  delta {delta[i]:+.3f}")
+    # Appendix B: which tokens gain. By kind, and by where the token's 3-token context was last
+    # seen: in the local window (T + XL cache), in the memory beyond it, farther, or never.
+    for title, groups in (("kind", kinds), (f"context last seen (window {window}, memory {max(a, b)})", reaches)):
+        print(f"by {title}:")
+        for g in sorted(set(groups)):
+            sel = np.array([x == g for x in groups])
+            print(f"  {g:<14} {sel.sum():7d} tokens ({sel.mean():6.1%})  mean delta {delta[sel].mean():+.4f}"
+                  f"  improved {np.mean(delta[sel] > 0):6.1%}")
     if args.plot:
         try:
             import matplotlib

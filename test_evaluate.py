@@ -241,3 +241,22 @@ def test_explore_page_is_self_contained_and_holds_the_documents_tokens_and_compa
         assert d["memory_pos"][k] == int(pos)
         assert abs(d["memory_weight"][k] / 1000 - float(w)) <= 0.0015
         assert abs(d["loss_memory_off"][i] - d["loss"][i] - float(gain)) <= 0.0015
+
+
+def test_token_kinds_and_context_reach_against_explicit_definitions():
+    class Pieces:  # a stand-in tokenizer: ids name pieces
+        pieces = ["\u2581for", "x_1", "\u2581(", "42", "\u2581", "<0x41>", "<0xE9>", "a+"]
+
+        def id_to_piece(self, i):
+            return self.pieces[i]
+
+    kinds = [evaluate.token_kind(Pieces(), i) for i in range(8)]
+    assert kinds == ["keyword/punct", "identifier", "keyword/punct", "number", "other", "identifier", "other", "other"]
+    rng = np.random.default_rng(0)
+    doc = rng.integers(0, 3, 200)
+    got = evaluate.context_distance(doc)
+    for i in range(1, len(doc)):  # the nearest earlier j with the same 3 tokens ending at j
+        js = [j for j in range(2, i) if i >= 2 and list(doc[j - 2:j + 1]) == list(doc[i - 2:i + 1])]
+        assert got[i - 1] == (i - js[-1] if js and i >= 2 else 0), i
+    assert [evaluate.reach(d, 256, 512) for d in (0, 1, 256, 257, 768, 769)] == \
+        ["new", "window", "window", "memory", "memory", "beyond"]
