@@ -279,9 +279,6 @@ def probes(draw):
     return "evaluate", lambda ws: [command, str(ws / "run")] + need(ws) + sum((f(ws) for f in flags), []), files
 
 
-PROBES = {"run": 0}  # how many probes ran (printed at the end of the test, for the note)
-
-
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(probe=probes())
 def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_file(
@@ -303,7 +300,6 @@ def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_fi
     before = snapshot(ws, cache)
     t0 = time.time()
     code, _, err = call(script, argv, capsys)
-    PROBES["run"] += 1
     assert_refused(code, err, argv)
     assert time.time() - t0 < 60, argv  # refused before any step was compiled
     after = snapshot(ws, cache)
