@@ -19,6 +19,7 @@ S = C + T local keys, H heads, D head dim, M memory size, K neighbours, L layers
 V vocab, E d_model, F d_ff.
 """
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -246,6 +247,18 @@ def relative_position_bucket(relative_position, num_buckets=32, max_distance=128
     return np.where(n < max_exact, n, large).astype(np.int32)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def broadcast_rows(x, rows):
+    """x repeated along a new leading axis of `rows`. Its gradient, the sum over that axis,
+    is taken as a product with a vector of ones: XLA's CPU backend runs a sum over the
+    leading axis alone 20-50x slower than that (jax.grad of a plain broadcast gives one)."""
+    return jnp.broadcast_to(x, (rows,) + x.shape)
+
+
+broadcast_rows.defvjp(lambda x, rows: (broadcast_rows(x, rows), None),
+                      lambda rows, _, g: (jnp.einsum("b,b...->...", jnp.ones((rows,), g.dtype), g),))
+
+
 def masked_softmax(logits, valid):
     """Softmax over the last axis restricted to `valid`; a row with nothing valid is all 0.
 
@@ -276,18 +289,22 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     dist = q_pos - k_pos  # [T, S]
     window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
     buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
-    # The bias looked up for every row, not broadcast over B: the gradient of a broadcast is a
-    # sum over the leading axis, which XLA's CPU backend runs 20-50x slower than this scatter-add.
-    bias = jnp.transpose(rel_bias[np.broadcast_to(buckets, (B, T, S))], (0, 3, 1, 2))  # [B, H, T, S]
+    valid = window[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
+    # The bias, and the mask as a bias: masked keys get NEG_INF, and so the softmax weight 0.
+    bias = broadcast_rows(jnp.transpose(rel_bias[buckets], (2, 0, 1)), B)  # [B, H, T, S]
+    bias = bias + jnp.where(valid, 0.0, NEG_INF)  # [B, H, T, S]
     qs = q * scale.astype(q.dtype)[None, None, :, None]  # [B, T, H, D]: the per-head scale on the queries
     # Heads next to the batch axis ([B, H, T, D]): each attention matmul is then a plain batch
     # of [T, D] x [D, S] products.
     qs, k, v = (jnp.transpose(x, (0, 2, 1, 3)) for x in (qs, k, v))  # [B, H, T or S, D]
     logits = jnp.einsum("bhtd,bhsd->bhts", qs, k, preferred_element_type=jnp.float32,
                         precision=matmul_precision(config)) + bias  # [B, H, T, S]
-    valid = window[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
-    weights, _ = masked_softmax(logits, valid)  # [B, H, T, S]
-    out = jnp.einsum("bhts,bhsd->bhtd", weights.astype(v.dtype), v)  # [B, H, T, D]
+    # softmax(logits) @ v, normalized after the product: the division is then over [.., D],
+    # not over [.., S]. The max only keeps exp() in range; it cancels, so it needs no gradient.
+    e = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))  # [B, H, T, S]
+    out = jnp.einsum("bhts,bhsd->bhtd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [B, H, T, D]
+    any_valid = jnp.any(valid, axis=-1)[..., None]  # [B, 1, T, 1]: a padding query may see nothing
+    out = (out / jnp.sum(e, axis=-1, keepdims=True) * any_valid).astype(v.dtype)  # [B, H, T, D]
     return jnp.transpose(out, (0, 2, 1, 3))  # [B, T, H, D]
 
 
@@ -479,9 +496,10 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     new_k, new_v, pending_k, pending_v, retrievals = [], [], [], [], []
     for i, p in enumerate(params["layers"]):
         h = rms_norm(x, p["attn_norm"])  # [B, T, E]
-        q = l2_normalize(jnp.einsum("bte,ehd->bthd", h, p["wq"].astype(dt)))  # [B, T, H, D]
-        k = l2_normalize(jnp.einsum("bte,ehd->bthd", h, p["wk"].astype(dt)))  # [B, T, H, D]
-        v = jnp.einsum("bte,ehd->bthd", h, p["wv"].astype(dt))  # [B, T, H, D]
+        # q, k and v by one matmul over [B * T, E] (and its gradient by one more).
+        w_qkv = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)  # [E, 3H, D]
+        qkv = (h.reshape(B * T, -1) @ w_qkv.reshape(w_qkv.shape[0], -1)).reshape(B, T, 3, c.num_heads, -1)
+        q, k, v = l2_normalize(qkv[:, :, 0]), l2_normalize(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, H, D]
         scale = p["qk_scale"]  # [H]
         # Transformer-XL: prepend the previous segment's keys and values; no gradient into them.
         cache_k, cache_v = jax.lax.stop_gradient((state.cache_k[:, i], state.cache_v[:, i]))  # [B, C, H, D]
