@@ -76,7 +76,7 @@ def measure_recall(c, memory_size, queries=64):
     rng = np.random.default_rng(0)
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
     cfg = c.replace(memory_size=memory_size, segment_length=queries, num_heads=1, d_model=c.head_dim)
-    q = unit(rng.standard_normal((1, queries, 1, c.head_dim))).astype(np.float32)
+    q = unit(rng.standard_normal((1, 1, queries, c.head_dim))).astype(np.float32)  # [B, H, T, D]
     k = unit(rng.standard_normal((1, 1, memory_size, c.head_dim))).astype(np.float32)
     valid = np.ones((1, memory_size), bool)
     _, approx = mt.memory_search(jnp.asarray(q, c.dtype), jnp.asarray(k, c.storage_dtype), valid, jnp.ones(1), cfg)

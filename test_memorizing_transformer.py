@@ -48,6 +48,11 @@ def np_rms_norm(x, w):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
 
 
+def heads_first(x):
+    """[B, T, H, D] (the references' layout) <-> [B, H, T, D] (the model's)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
 def np_unit(x):
     return x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
 
@@ -153,7 +158,7 @@ def test_local_attention_equals_explicit_loops(seed, xl, reset):
         key_valid[:, :C] = False
     bias = rng.standard_normal((cfg.num_buckets, H)).astype(np.float32)
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    got = jax.jit(mt.local_attention, static_argnums=6)(q, k, v, key_valid, bias, scale, cfg)
+    got = heads_first(jax.jit(mt.local_attention, static_argnums=6)(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg))
     want = np.zeros((B, T, H, D))
     for b in range(B):
         for h in range(H):
@@ -166,8 +171,10 @@ def test_local_attention_equals_explicit_loops(seed, xl, reset):
 
 
 def test_local_attention_gradients_equal_those_of_a_dense_gather_reference():
-    """The T5 bias is looked up as a one-hot product and the scale sits on the queries; the
-    gradients (bias table, scale, q, k, v) must be those of the plain formulation."""
+    """The model's formulation (queries in blocks, the T5 bias broadcast over rows with a
+    gradient of its own, the mask as a bias, the softmax normalized after the value product,
+    the scale on the queries): its gradients (bias table, scale, q, k, v) must be those of the
+    plain formulation."""
     rng = np.random.default_rng(7)
     cfg = SMALL
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
@@ -185,7 +192,7 @@ def test_local_attention_gradients_equal_those_of_a_dense_gather_reference():
         logits = jnp.where(visible[None, None] & key_valid[:, None, None, :], logits, -jnp.inf)
         return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
 
-    model = lambda q, k, v, bias, scale: mt.local_attention(q, k, v, key_valid, bias, scale, cfg)
+    model = lambda q, k, v, bias, scale: heads_first(mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg))
     grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, scale)
              for f in (model, reference)]
     for got, want, name in zip(*grads, ("q", "k", "v", "rel_bias", "scale")):
@@ -207,7 +214,8 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
     for b in range(B):
         valid[b, rng.choice(M, fill, replace=False)] = True
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=5)(q, mk, mv, valid, scale, cfg)
+    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=5)(heads_first(q), mk, mv, valid, scale, cfg)
+    out = heads_first(out)
     w = np_softmax_masked(np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :])
     np.testing.assert_allclose(out, np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
     assert np.all(np.asarray(has) == (fill > 0))
@@ -217,7 +225,7 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
 def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients():
     cfg = SMALL
     B, T, H, D, M = 1, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
-    q = jnp.ones((B, T, H, D)) / math.sqrt(D)
+    q = jnp.ones((B, H, T, D)) / math.sqrt(D)
     zeros = jnp.zeros((B, H, M, D))
     f = lambda q: mt.knn_attention(q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg)[0].sum()
     value, g = jax.jit(jax.value_and_grad(f))(q)
@@ -234,7 +242,7 @@ def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=4)(q, mk, valid, jnp.ones(H), cfg)
+    scores, slots = jax.jit(mt.memory_search, static_argnums=4)(heads_first(q), mk, valid, jnp.ones(H), cfg)
     s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
     want = np.sort(s, axis=-1)[..., ::-1][..., :K]
     got = np.where(np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), np.asarray(slots), -1),
@@ -269,7 +277,7 @@ def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size)
     q = np_unit(rng.standard_normal((1, 64, 1, 32))).astype(np.float32)
     mk = np_unit(rng.standard_normal((1, 1, memory_size, 32))).astype(np.float32)
     valid = np.ones((1, memory_size), bool)
-    _, approx = mt.memory_search(q, mk, valid, jnp.ones(1), cfg)
+    _, approx = mt.memory_search(heads_first(q), mk, valid, jnp.ones(1), cfg)
     _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
     r = recall(np.asarray(approx), np.asarray(exact))
     L = mt.num_topk_bins(32, memory_size, cfg.topk_recall_target)
@@ -294,7 +302,7 @@ def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_0
     rng = np.random.default_rng(1)
     q = np_unit(rng.standard_normal((1, 64, 1, 128))).astype(np.float32)
     mk = np_unit(rng.standard_normal((1, 1, 8192, 128))).astype(np.float32)
-    _, approx = mt.memory_search(jnp.asarray(q, jnp.bfloat16), jnp.asarray(mk, jnp.bfloat16), np.ones((1, 8192), bool),
+    _, approx = mt.memory_search(heads_first(jnp.asarray(q, jnp.bfloat16)), jnp.asarray(mk, jnp.bfloat16), np.ones((1, 8192), bool),
                                  jnp.full(1, math.sqrt(128)), cfg)
     _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
     assert recall(np.asarray(approx), np.asarray(exact)) >= 0.95
@@ -372,14 +380,14 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
     for i in range(n):
         tokens = random_tokens(100 + i, cfg, 2, 1)
         _, state = forward(params, state, tokens, jnp.full((2,), i == 0), cfg)
-        written.append(np.asarray(state.cache_k[:, cfg.memory_layers[0]]))  # [B, T, H, D]
+        written.append(np.asarray(state.cache_k[:, cfg.memory_layers[0]]))  # [B, H, T, D]
     # The last segment is pending until the next call appends it; commit it to see the memory.
     mem_k, _, valid, pos = map(np.asarray, mt.commit_memory(state, jnp.zeros(2, bool)))
     assert valid.sum(1).tolist() == [min(n * T, M)] * 2
     slots_per_segment = M // T
     for age, keys in enumerate(reversed(written[-slots_per_segment:])):  # newest first
         start = ((n - 1 - age) * T) % M
-        np.testing.assert_array_equal(mem_k[:, 0, :, start:start + T], np.transpose(keys, (0, 2, 1, 3)))
+        np.testing.assert_array_equal(mem_k[:, 0, :, start:start + T], keys)
         assert valid[:, start:start + T].all()
     assert pos.tolist() == [(n * T) % M] * 2
     # A reset clears only the flagged rows.
