@@ -190,21 +190,22 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
         logits, state = fwd(params, state, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
         jax.block_until_ready(logits)
         fwd_times.append(time.perf_counter() - t0)
-    # The gradient against the forward pass it differentiates (forward + loss, same state).
+    # The gradient against the forward pass it differentiates (forward + loss, same state);
+    # in the no-memory row only, where the memory's search (not differentiated) is absent.
     def loss(p, s):
         logits, _ = mt.forward(p, s, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
         return mt.loss(logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool))
-    timed = {"loss": jax.jit(loss), "grad": jax.jit(jax.grad(loss))}
-    loss_times = {name: [] for name in timed}
-    for _ in range(steps + 2):
+    timed = {"loss": jax.jit(loss), "grad": jax.jit(jax.grad(loss))} if memory_size == 0 else {}
+    loss_times = {name: [0.0] * (steps + 2) for name in ("loss", "grad")}
+    for _ in range(steps + 2 if timed else 0):
         for name, f in timed.items():  # interleaved, so that both see the same machine
             t0 = time.perf_counter()
             jax.block_until_ready(f(params, state))
             loss_times[name].append(time.perf_counter() - t0)
-    loss_s, grad_s = (statistics.median(loss_times[name][2:]) for name in ("loss", "grad"))
+    loss_s, grad_s = (statistics.median(loss_times[name][-steps:]) or None for name in ("loss", "grad"))
     train_f, fwd_f = train_flops(c, batch, memory_size)
     return {"memory_size": memory_size, "step_s": step_s, "forward_s": statistics.median(fwd_times[2:]),
-            "loss_forward_s": loss_s, "grad_s": grad_s, "grad_over_forward": grad_s / loss_s,
+            "loss_forward_s": loss_s, "grad_s": grad_s, "grad_over_forward": grad_s and grad_s / loss_s,
             "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
             "recall": measure_recall(c, memory_size), "train_flops": train_f, "forward_flops": fwd_f,
             "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype, "profile": top_ops,
@@ -304,6 +305,7 @@ def benchmark(args):
           f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
           f"{rows[-1]['memory_dtype']}, median of {args.steps} steps")
     fmt = lambda x: "-" if x is None else f"{x:.3f}"
+    fmt4 = lambda x: "-" if x is None else f"{x:.4f}"
     print("\ntrain step")
     print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'growth':>7} "
           f"{'recall':>7}" + (f" {'MFU':>6}" if rows[0]["mfu"] is not None else ""))
@@ -312,11 +314,11 @@ def benchmark(args):
               f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['peak_growth']):>7} "
               f"{fmt(r['recall']):>7}" + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else ""))
     print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
-    print("\nforward pass; and the gradient of the loss against the forward + loss it differentiates")
+    print("\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it differentiates")
     print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7} {'fwd+loss s':>11} {'grad s':>9} {'grad/fwd':>9}")
     for r in rows:
         print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} {r['forward_floor_ratio']:>7.3f} "
-              f"{r['loss_forward_s']:>11.4f} {r['grad_s']:>9.4f} {r['grad_over_forward']:>9.2f}")
+              f"{fmt4(r['loss_forward_s']):>11} {fmt4(r['grad_s']):>9} {fmt(r['grad_over_forward']):>9}")
     for r in rows if args.profile else ():
         print(f"\nwhere the step's time goes, memory {r['memory_size']}: ms per step by the JAX operation it came "
               f"from ({args.profile}/profile_M{r['memory_size']}.json has every XLA operation)")

@@ -352,6 +352,8 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
     assert rows[0]["ratio"] == 1.0 and rows[0]["floor_ratio"] == 1.0 and rows[0]["recall"] is None
     assert rows[1]["floor_ratio"] > 1.0 and 0.9 <= rows[1]["recall"] <= 1.0
     assert rows[0]["peak_growth"] is None and rows[1]["peak_growth"] is not None
+    assert rows[0]["grad_s"] > rows[0]["loss_forward_s"] > 0 and rows[1]["grad_over_forward"] is None
+    assert rows[0]["grad_over_forward"] == rows[0]["grad_s"] / rows[0]["loss_forward_s"]
     device = "CPU" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
     assert f"device: {device}" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
     # --profile: the operations that took the time, each named after the JAX operation it came from.
