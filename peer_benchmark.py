@@ -114,9 +114,15 @@ def run(cmd, env=None):
     return proc.returncode, out, err
 
 
+class Parser(argparse.ArgumentParser):
+    """Bad flags in one line and exit code 2 (train.Parser's behaviour, without importing JAX,
+    which the peer's Python may not have)."""
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
     p.add_argument("--peer-python", default=sys.executable,
@@ -135,8 +141,8 @@ def main(argv=None):
     if args.peer_row is not None:
         print(json.dumps(peer_row(args.peer_row, args.steps)))
         return 0
-    if args.json and os.path.isdir(args.json):
-        p.error(f"--json {args.json} is a directory.")
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        p.error(f"--json {args.json} is a directory or its folder does not exist.")
 
     with tempfile.TemporaryDirectory() as tmp:  # ours: the project's own benchmark
         ours_json = os.path.join(tmp, "ours.json")
