@@ -459,11 +459,21 @@ def cmd_table(args):
         rows.append({"name": name, "memory_size": segments * T, "xl_cache": xl, "steps": ev["step"],
                      "perplexity": ev["perplexity"], "perplexity_memory_off": ev.get("perplexity_memory_off"),
                      "tokens": ev["tokens"], "run": out})
-    print(f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>9} {'memory off':>11}")
+    # The ceiling: the share of validation tokens whose 3-token context last occurred beyond
+    # the row's local window but within its memory, the tokens only a memory could help with.
+    config, _, sp, run_args = load_run(rows[0]["run"])  # every row has the same data and tokenizer
+    docs, _ = validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
+    distances = np.concatenate([context_distance(doc) for doc in docs])
+    for r in rows:
+        window = T + (T if r["xl_cache"] else 0)  # the segment and its XL cache, as in compare
+        r["ceiling"] = float(np.mean([reach(int(d), window, r["memory_size"]) == "memory" for d in distances]))
+    print(f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>9} {'memory off':>11} {'ceiling':>8}")
     for r in rows:
         off = "-" if r["perplexity_memory_off"] is None else f"{r['perplexity_memory_off']:.3f}"
         print(f"{r['name']:<18} {T:>7} {r['memory_size'] or 'None':>7} {T if r['xl_cache'] else 'None':>5} "
-              f"{r['perplexity']:>9.3f} {off:>11}")
+              f"{r['perplexity']:>9.3f} {off:>11} {r['ceiling']:>8.2%}")
+    print(f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last occurred "
+          f"beyond the window (segment + XL cache) but within the row's memory")
     train.atomic_write(os.path.join(args.out_root, "table.json"), json.dumps(rows, indent=2))
     return 0
 

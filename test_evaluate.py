@@ -1,4 +1,5 @@
 """evaluate.py: the four subcommands on a tiny model trained for a few steps."""
+import argparse
 import csv
 import json
 import math
@@ -121,6 +122,17 @@ def test_table_trains_the_paper_rows_and_writes_table_json(tmp_path, capsys):
     assert all(r["steps"] == 2 and r["perplexity"] > 1 for r in rows)
     assert [r["perplexity_memory_off"] is None for r in rows] == [True, False]
     assert "memory off" in capsys.readouterr().out
+    # The ceiling, from an explicit scan of the validation tokens (segment 32 + XL cache 32).
+    config, _, sp, run_args = evaluate.load_run(rows[1]["run"])
+    docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
+    hits = total = 0
+    for doc in docs:
+        doc = [int(x) for x in doc]
+        for i in range(1, len(doc)):
+            back = [i - j for j in range(2, i) if doc[j - 2:j + 1] == doc[i - 2:i + 1]]
+            hits += bool(back) and 64 < min(back) <= 64 + 128
+            total += 1
+    assert hits > 0 and rows[0]["ceiling"] == 0 and abs(rows[1]["ceiling"] - hits / total) < 1e-12
     assert evaluate.main(flags) == 0  # reuses the runs
     assert "training" not in capsys.readouterr().out
 
