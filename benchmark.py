@@ -213,10 +213,10 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             jnp.dtype(c.storage_dtype).itemsize}
 
 
-def run_child(cmd):
+def run_child(cmd, env=None):
     """Run one row's process; on Ctrl-C or SIGTERM (KeyboardInterrupt here), stop it before
     passing the interrupt on, so that no child outlives the benchmark."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate()
     except BaseException:

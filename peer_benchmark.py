@@ -31,12 +31,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from benchmark import run_child  # (benchmark.py imports JAX only inside its functions)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_PACKAGES = ("torch", "faiss", "einops", "memorizing_transformers_pytorch")
@@ -103,17 +104,6 @@ def peer_row(memory_size, steps, batch=8, segment=128, vocab=2048):
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
-def run(cmd, env=None):
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        out, err = proc.communicate()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc.returncode, out, err
-
-
 class Parser(argparse.ArgumentParser):
     """Bad flags in one line and exit code 2 (train.Parser's behaviour, without importing JAX,
     which the peer's Python may not have)."""
@@ -146,7 +136,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:  # ours: the project's own benchmark
         ours_json = os.path.join(tmp, "ours.json")
-        code, out, err = run([sys.executable, os.path.join(HERE, "benchmark.py"), "--memory-sizes",
+        code, out, err = run_child([sys.executable, os.path.join(HERE, "benchmark.py"), "--memory-sizes",
                               ",".join(map(str, sizes)), "--steps", str(args.steps), "--json", ours_json])
         if code:
             print(f"error: benchmark.py failed (exit code {code}): {(err.strip().splitlines() or ['?'])[-1]}",
@@ -158,14 +148,14 @@ def main(argv=None):
 
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     probe = "import " + ", ".join(PEER_PACKAGES)
-    code, _, err = run([args.peer_python, "-c", probe], env=env)
+    code, _, err = run_child([args.peer_python, "-c", probe], env=env)
     theirs = {}
     if code:
         print(f"peer: skipped, {args.peer_python} cannot import it ({(err.strip().splitlines() or ['?'])[-1]}); "
               f"see this script's docstring for what to install.")
     else:
         for m in sizes:
-            code, out, err = run([args.peer_python, os.path.abspath(__file__), "--peer-row", str(m),
+            code, out, err = run_child([args.peer_python, os.path.abspath(__file__), "--peer-row", str(m),
                                   "--steps", str(args.steps)], env=env)
             if code:
                 print(f"error: the peer's row {m} failed: {(err.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
