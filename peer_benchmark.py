@@ -141,7 +141,7 @@ def main(argv=None):
         if code:
             print(f"error: benchmark.py failed (exit code {code}): {(err.strip().splitlines() or ['?'])[-1]}",
                   file=sys.stderr)
-            return 1
+            return code if code in (2, 130) else 1  # bad input (refused before anything ran), interrupted
         print(out, end="")
         with open(ours_json) as f:
             ours = {r["memory_size"]: r for r in json.load(f)}
