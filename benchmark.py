@@ -192,17 +192,19 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
         fwd_times.append(time.perf_counter() - t0)
     # The gradient against the forward pass it differentiates (forward + loss, same state);
     # in the no-memory row only, where the memory's search (not differentiated) is absent.
-    def loss(p, s):
-        logits, _ = mt.forward(p, s, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
-        return mt.loss(logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool))
-    timed = {"loss": jax.jit(loss), "grad": jax.jit(jax.grad(loss))} if memory_size == 0 else {}
-    loss_times = {name: [0.0] * (steps + 2) for name in ("loss", "grad")}
-    for _ in range(steps + 2 if timed else 0):
-        for name, f in timed.items():  # interleaved, so that both see the same machine
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(params, state))
-            loss_times[name].append(time.perf_counter() - t0)
-    loss_s, grad_s = (statistics.median(loss_times[name][-steps:]) or None for name in ("loss", "grad"))
+    loss_s = grad_s = None
+    if memory_size == 0:
+        def loss(p, s):
+            logits, _ = mt.forward(p, s, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
+            return mt.loss(logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool))
+        timed = {"loss": jax.jit(loss), "grad": jax.jit(jax.grad(loss))}
+        times = {name: [] for name in timed}
+        for _ in range(steps + 2):
+            for name, f in timed.items():  # interleaved, so that both see the same machine
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(params, state))
+                times[name].append(time.perf_counter() - t0)
+        loss_s, grad_s = (statistics.median(times[name][2:]) for name in timed)
     train_f, fwd_f = train_flops(c, batch, memory_size)
     return {"memory_size": memory_size, "step_s": step_s, "forward_s": statistics.median(fwd_times[2:]),
             "loss_forward_s": loss_s, "grad_s": grad_s, "grad_over_forward": grad_s and grad_s / loss_s,

@@ -461,7 +461,9 @@ def cmd_table(args):
                      "tokens": ev["tokens"], "run": out})
     # The ceiling: the share of validation tokens whose 3-token context last occurred beyond
     # the row's local window but within its memory, the tokens only a memory could help with.
-    config, _, sp, run_args = load_run(rows[0]["run"])  # every row has the same data and tokenizer
+    saved = train.read_run_config(rows[0]["run"])  # every row has the same data and tokenizer
+    config, run_args = saved["config"], saved["args"]
+    sp = data.load_tokenizer(os.path.join(rows[0]["run"], "tokenizer.model"))
     docs, _ = validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
     distances = np.concatenate([context_distance(doc) for doc in docs])
     for r in rows:
