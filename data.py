@@ -304,6 +304,51 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
     return docs
 
 
+def synthetic_long_documents(num_docs, distance, seed=0, num_names=16):
+    """Documents of the synthetic task whose far references sit `distance` tokens back (Sec. 4.4).
+
+    The same lines as synthetic_documents (`NAME VALUE`, filler), arranged as a probe: the
+    document first defines its `num_names` names (with filler and near references between the
+    definitions, as in training); then only the even-numbered names are referenced, densely, for
+    `distance` tokens; then each odd-numbered name is referenced once, as soon as its definition
+    lies `distance` tokens back, and the document ends. Those references, the probes, are the
+    only parts marked as references: their value was seen once, about `distance` tokens earlier
+    (a line or two more, where two probes fall due together), and never since.
+    """
+    rng = random.Random(f"synthetic-long {seed} {distance}")
+    docs = []
+    for d in range(num_docs):
+        names = rng.sample(SYNTHETIC_NAMES, num_names)
+        values = rng.sample(SYNTHETIC_VALUES, num_names)
+        near = list(range(0, num_names, 2))
+        defined_at = {}  # name index -> token position of its definition
+        due = []  # probe names in the order their definitions were made
+        parts, pos = [], 0
+
+        def line(i, is_probe):
+            nonlocal pos
+            parts.extend([(names[i], False), (" " + values[i], is_probe), ("\n", False)])
+            pos += 3
+
+        while len(defined_at) < num_names or due:
+            r = rng.random()
+            if due and pos - defined_at[due[0]] >= distance:
+                line(due.pop(0), True)
+            elif len(defined_at) < num_names and (not defined_at or r < 0.3):
+                i = len(defined_at)
+                defined_at[i] = pos
+                due += [i] if i % 2 else []
+                line(i, False)
+            elif r < 0.8 and any(i in defined_at for i in near):
+                line(rng.choice([i for i in near if i in defined_at]), False)
+            else:
+                words = rng.choices(_FILLER, k=rng.randint(1, 2))
+                parts.append((" ".join(words) + "\n", False))
+                pos += len(words) + 1
+        docs.append(Document(f"synthetic-long-{distance}-{seed}-{d:03d}", "".join(t for t, _ in parts), tuple(parts)))
+    return docs
+
+
 def is_synthetic(source):
     """`--data synthetic` or `synthetic:N`: generated, not read from a path."""
     return source == "synthetic" or source.startswith("synthetic:")

@@ -5,7 +5,8 @@
   python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
   python evaluate.py explore RUN_DIR [--doc N] --out page.html
   python evaluate.py recall RUN_DIR [--memory-size M] [--dtype bfloat16]
-  python evaluate.py table [--data ...] [--steps N] [--out-root DIR]
+  python evaluate.py reach RUN_DIR [--distances 1024,4096,16384,61440] [--memory-sizes 512,2048,8192,65536]
+  python evaluate.py table [--data ...] [--steps N] [--seeds N] [--out-root DIR]
 
 Every perplexity of a memory model comes with its memory-off ablation: the same weights with
 every gate forced to 0 (local attention only). Memory that is present but unused looks
@@ -28,6 +29,7 @@ import keyword
 import math
 import re
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -423,6 +425,75 @@ TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, 
     ("memory 4T + XL", 4, True), ("memory 16T + XL", 16, True)]
 
 
+def positive_ints(text):
+    """An argparse type: comma-separated positive integers, e.g. 512,2048."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"takes positive integers, got {text!r}")
+    return values
+
+
+def within_reach(key_pos, query_pos, config):
+    """Whether the query at query_pos can attend to the key at key_pos (same document, earlier):
+    in its own segment, in the XL cache (the previous segment), or in the memory, which holds
+    the M / T segments before the query's (the ring buffer, cleared at the document's start)."""
+    T = config.segment_length
+    back = query_pos // T - key_pos // T
+    memory = config.memory_size // T if config.active_memory_layers else 0
+    return back <= max(memory, 1 if config.xl_cache else 0)
+
+
+def cmd_reach(args):
+    """Sec. 4.4: one model, memories of several sizes, references D tokens back. The probes'
+    loss is low where the memory holds the definition, and at chance where it does not."""
+    config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0])
+    if not data.is_synthetic(run_args["data"]):
+        raise UsageError(f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic task's "
+                         f"bindings, so it needs a run trained with --data synthetic.")
+    configs = []
+    for m in args.memory_sizes:  # every size checked before anything runs
+        try:
+            configs.append(config.replace(memory_size=m))
+        except ValueError as e:
+            raise UsageError(f"--memory-sizes {m}: {e}") from None
+        train.check_fits(configs[-1], config.batch_size)
+    steps = {m: train.make_eval_step(train.step_config(c)) for m, c in zip(args.memory_sizes, configs)}
+    chance = math.log(len(data.SYNTHETIC_VALUES))
+    print(f"{'distance':>8} {'memory':>7} {'in reach':>9} {'far loss':>9} {'memory off':>11} {'tokens':>7} "
+          f"{'mean distance':>14} {'seconds':>8}", flush=True)
+    rows = []
+    for D in args.distances:
+        docs, refs = data.tokenize(data.synthetic_long_documents(args.docs, D, seed=args.seed), sp)
+        for t in docs:
+            mt.check_tokens(t, config.vocab_size)
+        dist = [data.reference_distances(t, r) for t, r in zip(docs, refs)]
+        probe_pos = [np.flatnonzero(r) for r in refs]  # the probes' value tokens
+        all_dist = np.concatenate([d[p] for d, p in zip(dist, probe_pos)])
+        off = train.evaluate(mt.memory_off(params), configs[0], docs, config.batch_size, steps[args.memory_sizes[0]], dist)
+        for m, c in zip(args.memory_sizes, configs):
+            start = time.perf_counter()
+            r = train.evaluate(params, c, docs, config.batch_size, steps[m], dist)
+            # The key that answers a probe sits at the definition's value token; the query at
+            # the token before the probe's value (its name).
+            held = np.mean([within_reach(p - d[p], p - 1, c) for d, ps in zip(dist, probe_pos) for p in ps])
+            rows.append({"distance": D, "memory_size": m, "far_loss": r["reference_loss"],
+                         "far_loss_memory_off": off["reference_loss"], "tokens": r["reference_tokens"],
+                         "in_reach": float(held), "mean_distance": float(all_dist.mean()),
+                         "perplexity": r["perplexity"], "seconds": time.perf_counter() - start})
+            x = rows[-1]
+            print(f"{D:>8} {m:>7} {x['in_reach']:>9.0%} {x['far_loss']:>9.3f} {x['far_loss_memory_off']:>11.3f} "
+                  f"{x['tokens']:>7} {x['mean_distance']:>14.1f} {x['seconds']:>8.1f}", flush=True)
+    print(f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in {args.docs} "
+          f"documents per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
+          f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) holds.")
+    if args.json:
+        train.atomic_write(args.json, json.dumps(rows, indent=2))
+    return 0
+
+
 def cmd_table(args):
     preset = mt.PRESETS["tiny"]
     names = [n for n, _, _ in TABLE_ROWS]
@@ -433,32 +504,44 @@ def cmd_table(args):
     train.check_writable_dir(args.out_root, "--out-root")
     plan = []
     for name, segments, xl in [r for r in TABLE_ROWS if r[0] in wanted]:  # every row checked before any trains
-        out = os.path.join(args.out_root, name.replace(" ", "_").replace("+", "plus"))
+        base = os.path.join(args.out_root, name.replace(" ", "_").replace("+", "plus"))
         flags = ["--data", args.data, "--steps", str(args.steps), "--segment-length", str(T),
-                 "--memory-size", str(segments * T), "--xl-cache" if xl else "--no-xl-cache", "--out", out,
+                 "--memory-size", str(segments * T), "--xl-cache" if xl else "--no-xl-cache",
                  "--eval-every", "0", "--batch-size", str(B)]
         flags += ["--num-neighbors", str(args.num_neighbors)] if args.num_neighbors else []
+        flags += ["--init-gate-bias", str(args.init_gate_bias)] if args.init_gate_bias is not None and segments else []
         try:
             config = preset.replace(segment_length=T, memory_size=segments * T, xl_cache=xl, batch_size=B,
                                     num_neighbors=args.num_neighbors or preset.num_neighbors)
         except ValueError as e:
             raise UsageError(f"row {name!r}: {e}") from None
         train.check_fits(config, B)
-        plan.append((name, segments, xl, out, flags))
+        # Seed 0 keeps the row's directory (the runs of a one-seed table); seed s > 0 goes beside it.
+        runs = [(s, base if s == 0 else f"{base}_seed{s}") for s in range(args.seeds)]
+        plan.append((name, segments, xl, runs, flags))
     rows = []
-    for name, segments, xl, out, flags in plan:
-        ev = train.read_json(os.path.join(out, "eval.json"))
-        done = ev and ev.get("step") == args.steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss"))
-        if not done:  # a new row; or one interrupted, or trained to other --steps: continue it
-            resume = os.path.isfile(os.path.join(out, "config.json"))
-            print(f"{'resuming' if resume else 'training'} {name} -> {out}", flush=True)
-            code = train.main(["--out", out, "--resume", "--steps", str(args.steps)] if resume else flags)
-            if code:
-                return code
+    for name, segments, xl, runs, flags in plan:
+        per_seed = []
+        for seed, out in runs:
             ev = train.read_json(os.path.join(out, "eval.json"))
-        rows.append({"name": name, "memory_size": segments * T, "xl_cache": xl, "steps": ev["step"],
-                     "perplexity": ev["perplexity"], "perplexity_memory_off": ev.get("perplexity_memory_off"),
-                     "tokens": ev["tokens"], "run": out})
+            done = ev and ev.get("step") == args.steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss"))
+            if not done:  # a new run; or one interrupted, or trained to other --steps: continue it
+                resume = os.path.isfile(os.path.join(out, "config.json"))
+                print(f"{'resuming' if resume else 'training'} {name}, seed {seed} -> {out}", flush=True)
+                code = train.main(["--out", out, "--resume", "--steps", str(args.steps)] if resume else
+                                  flags + ["--seed", str(seed), "--out", out])
+                if code:
+                    return code
+                ev = train.read_json(os.path.join(out, "eval.json"))
+            per_seed.append({"seed": seed, "run": out, "perplexity": ev["perplexity"],
+                             "perplexity_memory_off": ev.get("perplexity_memory_off"), "tokens": ev["tokens"]})
+        row = {"name": name, "memory_size": segments * T, "xl_cache": xl, "steps": args.steps,
+               "tokens": per_seed[0]["tokens"], "run": per_seed[0]["run"], "seeds": per_seed}
+        for key in ("perplexity", "perplexity_memory_off"):  # mean and sample std over the seeds
+            values = [r[key] for r in per_seed]
+            row[key] = None if values[0] is None else float(np.mean(values))
+            row[f"{key}_std"] = None if values[0] is None or len(values) < 2 else float(np.std(values, ddof=1))
+        rows.append(row)
     # The ceiling: the share of validation tokens whose 3-token context last occurred beyond
     # the row's local window but within its memory, the tokens only a memory could help with.
     saved = train.read_run_config(rows[0]["run"])  # every row has the same data and tokenizer
@@ -469,11 +552,16 @@ def cmd_table(args):
     for r in rows:
         window = T + (T if r["xl_cache"] else 0)  # the segment and its XL cache, as in compare
         r["ceiling"] = float(np.mean([reach(int(d), window, r["memory_size"]) == "memory" for d in distances]))
-    print(f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>9} {'memory off':>11} {'ceiling':>8}")
+    spread = lambda r, key: ("-" if r[key] is None else f"{r[key]:.3f}" if r[f"{key}_std"] is None
+                             else f"{r[key]:.2f} ± {r[f'{key}_std']:.2f}")
+    width = 9 if args.seeds == 1 else 15
+    print(f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>{width}} {'memory off':>{width}} "
+          f"{'ceiling':>8}")
     for r in rows:
-        off = "-" if r["perplexity_memory_off"] is None else f"{r['perplexity_memory_off']:.3f}"
         print(f"{r['name']:<18} {T:>7} {r['memory_size'] or 'None':>7} {T if r['xl_cache'] else 'None':>5} "
-              f"{r['perplexity']:>9.3f} {off:>11} {r['ceiling']:>8.2%}")
+              f"{spread(r, 'perplexity'):>{width}} {spread(r, 'perplexity_memory_off'):>{width}} {r['ceiling']:>8.2%}")
+    if args.seeds > 1:
+        print(f"ppl and memory off: mean ± standard deviation over {args.seeds} seeds (init and data order)")
     print(f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last occurred "
           f"beyond the window (segment + XL cache) but within the row's memory")
     train.atomic_write(os.path.join(args.out_root, "table.json"), json.dumps(rows, indent=2))
@@ -523,6 +611,18 @@ def build_parser():
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--json", help="write the result here")
+    s = sub.add_parser("reach", help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
+                       "documents with references D tokens back (the needle test)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("run_dir", help="a train.py output directory of a run trained on --data synthetic")
+    s.add_argument("--distances", type=positive_ints, default=[1024, 4096, 16384, 61440],
+                   help="comma-separated: how many tokens back each probe's value was defined")
+    s.add_argument("--memory-sizes", type=positive_ints, default=[512, 2048, 8192, 65536],
+                   help="comma-separated memory sizes M to evaluate the same weights with (multiples of T)")
+    s.add_argument("--docs", type=positive, default=8, help="documents per distance, 8 probes each")
+    s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
+    s.add_argument("--json", help="write the rows here: a list of objects with distance, memory_size, far_loss, "
+                   "far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--data", default="stdlib", help="corpus for every row")
@@ -530,6 +630,10 @@ def build_parser():
     s.add_argument("--segment-length", type=positive, help="T (tiny preset's if unset)")
     s.add_argument("--batch-size", type=positive, help="rows (tiny preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (tiny preset's if unset)")
+    s.add_argument("--seeds", type=positive, default=1, help="train each row with seeds 0..N-1 (init and data "
+                   "order) and report the mean and standard deviation")
+    s.add_argument("--init-gate-bias", type=train.finite_float, help="the memory rows' initial gate bias (train.py's "
+                   "--init-gate-bias); use another --out-root for the runs")
     s.add_argument("--rows", help="comma-separated subset of the rows: " + ", ".join(n for n, _, _ in TABLE_ROWS))
     s.add_argument("--out-root", default="runs/table", help="where the runs go; a row whose run finished at --steps "
                    "is reused, an unfinished one is resumed")
@@ -541,7 +645,8 @@ def run(args):
         if getattr(args, name, None):
             train.check_output_file(getattr(args, name), name)
     return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect, "explore": cmd_explore,
-            "recall": cmd_recall, "table": cmd_table}[args.command](args)
+            "recall": cmd_recall, "reach": cmd_reach,
+            "table": cmd_table}[args.command](args)
 
 
 def main(argv=None):

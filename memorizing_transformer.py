@@ -55,6 +55,7 @@ class Config:
     # init: T5 bias of the first layer's first H/2 heads at distance 1 (0 = none, as in the paper).
     # A previous-token head is half of a copy (induction) circuit; this prior speeds it up.
     init_prev_token_bias: float = 0.0
+    init_gate_bias: float = 0.0  # Eq. (1)'s gate starts at sigmoid(init_gate_bias): 0.5, as in the paper
     # training (Sec. 4.2)
     batch_size: int = 256  # rows; a batch holds batch_size * segment_length tokens
     grad_accum: int = 1  # micro-batches per step (rows are split between them)
@@ -105,8 +106,9 @@ class Config:
         if not (math.isfinite(self.lr) and self.lr > 0) or self.warmup_steps < 0:
             raise ValueError(f"lr must be a finite number > 0 and warmup_steps >= 0, got {self.lr} and "
                              f"{self.warmup_steps}.")
-        if not math.isfinite(self.init_prev_token_bias):
-            raise ValueError(f"init_prev_token_bias must be finite, got {self.init_prev_token_bias}.")
+        for name in ("init_prev_token_bias", "init_gate_bias"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}.")
 
     @property
     def active_memory_layers(self):
@@ -208,7 +210,7 @@ def init_params(config, rng):
             "w2": normal((F, E), (F * 2 * c.num_layers) ** -0.5),
         }
         if i in c.active_memory_layers:
-            layer["gate_bias"] = jnp.zeros((H,))  # Eq. (1): g = sigmoid(0) = 0.5 at the start
+            layer["gate_bias"] = jnp.full((H,), c.init_gate_bias)  # Eq. (1): g = sigmoid(0) = 0.5 by default
         layers.append(layer)
     return {
         "embed": normal((c.vocab_size, E), 1.0),

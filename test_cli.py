@@ -184,6 +184,8 @@ def evaluate_faults(command):
         "sample": [["--tokens", "0"], ["--temperature", "-1"], ["--temperature", "nan"], ["--top-k", "0"],
                    ["--memory-size", "100"], ["--prompt-doc", "99"], ["--prompt-tokens", "5"], ["--prompt", ""],
                    ["--seed", "-2"], ["--prompt-file", "/no/such/file"]],
+        "reach": [["--distances", "x"], ["--distances", "0,1024"], ["--memory-sizes", "64,100"], ["--docs", "0"],
+                  ["--memory-sizes", str(64 * 2 ** 34)], ["--seed", "-1"]],
         "table": [["--rows", "bogus"], ["--segment-length", "100000"], ["--steps", "0"], ["--batch-size", "0"],
                   ["--num-neighbors", "100000"]],
     }[command]
@@ -196,6 +198,7 @@ def evaluate_faults(command):
         "explore": [lambda ws: ["--out", str(ws)], lambda ws: ["--out", str(ws / "afile" / "p.html")]],
         "sample": [lambda ws: ["--prompt-file", str(ws)], lambda ws: ["--prompt-file", str(ws / "afile"),
                                                                       "--prompt-doc", "0"]],
+        "reach": [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "r.json")]],
         "table": [lambda ws: ["--out-root", str(ws / "afile")]],
     }[command]
     sized = ["--memory-size"] if command in ("perplexity", "recall", "sample") else []
@@ -250,7 +253,7 @@ def odd_corpora(draw):
 def probes(draw):
     """(script, argv as a function of the workspace, run-file faults)."""
     command = draw(st.sampled_from(["train", "train on odd files", "train --resume", "perplexity", "compare", "inspect", "explore", "recall",
-                                    "table", "sample", "benchmark"]))
+                                    "reach", "table", "sample", "benchmark"]))
     if command == "train":
         flags = draw(st.lists(train_faults(), min_size=1, max_size=3))
         return "train", lambda ws: FAST + ["--out", str(ws / "new")] + sum((f(ws) for f in flags), []), []

@@ -218,6 +218,29 @@ def test_synthetic_references_decode_to_their_values_and_their_distances_are_exa
         assert min(want) >= 1 and max(want) > 2 * 128  # near and far references both occur
 
 
+@pytest.mark.parametrize("distance", [40, 300, 2000])
+def test_synthetic_long_probes_sit_distance_tokens_after_their_only_definition(distance):
+    docs = data.synthetic_long_documents(3, distance, seed=5, num_names=6)
+    assert [d.text for d in docs] == [d.text for d in data.synthetic_long_documents(3, distance, seed=5, num_names=6)]
+    for d in docs:
+        # Independently, from the lines: where each name occurs, counting a word, a symbol and
+        # a newline as one token each (the synthetic tokenizer's pieces).
+        where, value, pos = {}, {}, 0
+        for line in d.text.splitlines():
+            words = line.split(" ")
+            if words[0].isalpha() and words[0].islower():
+                assert value.setdefault(words[0], words[1]) == words[1]  # a name keeps its value
+                where.setdefault(words[0], []).append(pos + 1)  # the value's token
+            pos += len(words) + 1
+        # The marked values (the probes): half of the names, each occurring exactly twice, the
+        # second time `distance` (at most 2 more) tokens after the first.
+        marked = [text[1:] for text, is_ref in d.parts if is_ref]
+        probes = [n for n in where if value[n] in marked]
+        assert len(where) == 6 and len(probes) == len(marked) == 3
+        for n in probes:
+            assert len(where[n]) == 2 and distance <= where[n][1] - where[n][0] <= distance + 2
+
+
 def test_synthetic_corpus_size_is_part_of_the_data_name():
     assert len(data.load_documents("synthetic:7", verbose=False)) == 7
     for bad in ("synthetic:0", "synthetic:x"):

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -135,6 +136,32 @@ def test_table_trains_the_paper_rows_and_writes_table_json(tmp_path, capsys):
     assert hits > 0 and rows[0]["ceiling"] == 0 and abs(rows[1]["ceiling"] - hits / total) < 1e-12
     assert evaluate.main(flags) == 0  # reuses the runs
     assert "training" not in capsys.readouterr().out
+
+
+def test_table_with_seeds_reports_the_mean_and_spread_of_every_rows_seeds(tmp_path, capsys):
+    root = tmp_path / "table"
+    flags = ["table", "--data", "synthetic:40", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
+             "--num-neighbors", "8", "--out-root", str(root), "--rows", "XL cache,memory 4T + XL", "--seeds", "2",
+             "--init-gate-bias", "-2"]
+    assert evaluate.main(flags) == 0
+    assert "±" in capsys.readouterr().out
+    rows = json.loads((root / "table.json").read_text())
+    for row, base, memory in zip(rows, ["XL_cache", "memory_4T_plus_XL"], [False, True]):
+        assert [r["run"] for r in row["seeds"]] == [str(root / base), str(root / f"{base}_seed1")]
+        evs = [json.loads((root / d / "eval.json").read_text()) for d in (base, f"{base}_seed1")]
+        saved = [json.loads((root / d / "config.json").read_text())["config"] for d in (base, f"{base}_seed1")]
+        assert [c["seed"] for c in saved] == [0, 1]
+        assert [c["init_gate_bias"] for c in saved] == ([-2.0, -2.0] if memory else [0.0, 0.0])
+        ppl = [e["perplexity"] for e in evs]
+        assert ppl[0] != ppl[1]  # another init and data order
+        assert row["perplexity"] == pytest.approx(np.mean(ppl)) and row["perplexity_std"] == pytest.approx(
+            abs(ppl[0] - ppl[1]) / math.sqrt(2))
+        if memory:
+            off = [e["perplexity_memory_off"] for e in evs]
+            assert row["perplexity_memory_off"] == pytest.approx(np.mean(off))
+            assert row["perplexity_memory_off_std"] == pytest.approx(np.std(off, ddof=1))
+        else:
+            assert row["perplexity_memory_off"] is None and row["perplexity_memory_off_std"] is None
 
 
 def test_bad_input_gets_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
@@ -272,3 +299,73 @@ def test_token_kinds_and_context_reach_against_explicit_definitions():
         assert got[i - 1] == (i - js[-1] if js and i >= 2 else 0), i
     assert [evaluate.reach(d, 256, 512) for d in (0, 1, 256, 257, 768, 769)] == \
         ["new", "window", "window", "memory", "memory", "beyond"]
+
+
+# ----------------------------------------------------------------------------- reach (Sec. 4.4)
+def test_a_probes_definition_is_in_the_memory_exactly_when_within_reach_says_so(run_dir):
+    """Stream a synthetic-long document through the run's model with memories of several sizes.
+    After the call for the probe's segment, the state's memory is what that segment searched:
+    the definition's key is in a valid slot (or in the window) exactly where within_reach says,
+    so with M below the distance no slot holds it, and with M above it one does."""
+    config, params, sp, _ = evaluate.load_run(run_dir)  # FAST: T = 32, XL cache
+    T = config.segment_length
+    (doc,), (ref,) = data.tokenize(data.synthetic_long_documents(1, 150, seed=3), sp)
+    dist = data.reference_distances(doc, ref)
+    probes = [(int(p) - int(dist[p]), int(p) - 1) for p in np.flatnonzero(ref)]  # (key, query) positions
+    seen = {True: 0, False: 0}
+    for m in (64, 128, 256):
+        cfg = config.replace(memory_size=m)
+        step = evaluate._stream_step(train.step_config(cfg))
+        state, states = mt.init_state(cfg, 1), []
+        for batch in data.SegmentBatches([doc], 1, T, epochs=1):
+            state, _, _ = step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
+            states.append(jax.tree.map(np.array, state))
+        for key, query in probes:
+            k = states[key // T].pending_k[0, 0, :, key % T]  # [H, D] the key as written
+            s = states[query // T]
+            held = [slot for slot in range(m) if s.mem_valid[0, slot] and (s.mem_k[0, 0, :, slot] == k).all()]
+            in_window = query // T - key // T <= 1  # the query's segment, or the XL cache
+            assert (bool(held) or in_window) == evaluate.within_reach(key, query, cfg), (m, key, query)
+            seen[bool(held)] += 1
+    assert seen[True] and seen[False]  # both cases occurred
+
+
+def test_reach_writes_far_loss_by_distance_and_memory_size(run_dir, tmp_path, capsys):
+    out = tmp_path / "reach.json"
+    assert evaluate.main(["reach", run_dir, "--distances", "100,200", "--memory-sizes", "64,256", "--docs", "3",
+                          "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["distance"], r["memory_size"]) for r in rows] == [(100, 64), (100, 256), (200, 64), (200, 256)]
+    assert "far loss" in capsys.readouterr().out
+    config, params, sp, _ = evaluate.load_run(run_dir)
+    for r in rows:
+        assert {"far_loss", "far_loss_memory_off", "tokens", "in_reach", "mean_distance"} <= set(r)
+        # Independently: each document alone (one row), its per-token loss at the probes.
+        docs, refs = data.tokenize(data.synthetic_long_documents(3, r["distance"], seed=0), sp)
+        cfg = config.replace(memory_size=r["memory_size"])
+        on = np.concatenate([evaluate.per_token_loss(params, cfg, d)[0][f[1:]] for d, f in zip(docs, refs)])
+        off = np.concatenate([evaluate.per_token_loss(mt.memory_off(params), cfg, d)[0][f[1:]]
+                              for d, f in zip(docs, refs)])
+        assert r["tokens"] == len(on) >= 3 * 8
+        assert r["far_loss"] == pytest.approx(on.mean(), rel=1e-5)
+        assert r["far_loss_memory_off"] == pytest.approx(off.mean(), rel=1e-5)
+    # M = 64 (2 segments) holds no definition 100 or 200 tokens back; M = 256 (8 segments) holds all.
+    assert [r["in_reach"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_reach_refuses_bad_input_in_one_sentence(run_dir, tmp_path, capsys):
+    import shutil
+    stdlib_run = tmp_path / "stdlib"
+    shutil.copytree(run_dir, stdlib_run)
+    saved = json.loads((stdlib_run / "config.json").read_text())
+    saved["args"]["data"] = "stdlib"
+    (stdlib_run / "config.json").write_text(json.dumps(saved))
+    for argv, message in [(["--distances", "100,x"], "comma-separated integers"),
+                          (["--distances", "0"], "positive integers"),
+                          (["--memory-sizes", "64,100"], "multiple of segment_length"),
+                          (["--docs", "0"], "must be positive")]:
+        assert evaluate.main(["reach", run_dir] + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert evaluate.main(["reach", str(stdlib_run)]) == 2
+    assert "needs a run trained with --data synthetic" in capsys.readouterr().err

@@ -82,6 +82,18 @@ def test_the_previous_token_prior_sets_only_distance_1_in_half_the_first_layers_
     assert int(mt.relative_position_bucket(-1, c.num_buckets, c.max_distance)) == 1  # bucket 1 is distance 1
 
 
+def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
+    args = train.build_parser().parse_args(["--preset", "tiny", "--memory-layers", "1,3", "--init-gate-bias", "-2"])
+    c = train.config_from_args(args)
+    params = mt.init_params(c, jax.random.PRNGKey(0))
+    for i, layer in enumerate(params["layers"]):
+        assert ("gate_bias" in layer) == (i in (1, 3))
+        if i in (1, 3):
+            np.testing.assert_array_equal(layer["gate_bias"], np.full(c.num_heads, -2.0, np.float32))
+            assert layer["gate_bias"].dtype == np.float32
+    assert mt.init_params(mt.PRESETS["tiny"], jax.random.PRNGKey(0))["layers"][2]["gate_bias"].tolist() == [0.0] * 4
+
+
 def test_the_t5_bias_tables_take_the_plain_step():
     """A bias table starts at 0: it must move by lr_t a step, not by 1e-3 * lr_t (frozen)."""
     c = mt.PRESETS["tiny"].replace(vocab_size=64, num_layers=2, memory_layers=(1,))

@@ -542,6 +542,8 @@ def build_parser():
     p.add_argument("--lr", type=finite_float, help="base learning rate (1.0 in the paper)")
     p.add_argument("--init-prev-token-bias", type=finite_float, help="initial T5 bias at distance 1 in half of "
                    "the first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
+    p.add_argument("--init-gate-bias", type=finite_float, help="initial bias of every memory layer's gate: "
+                   "g = sigmoid(bias) mixes memory and local attention (0 = g 0.5, as in the paper; -2 = g 0.12)")
     p.add_argument("--warmup-steps", type=count, help="linear warmup steps before square-root decay")
     p.add_argument("--seed", type=int_at_least(0, 2 ** 32 - 1), help="seed for the initialization and the order "
                    "in which batch rows take training documents; the train/validation split and the traversal of "
