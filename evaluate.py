@@ -450,6 +450,8 @@ def cmd_reach(args):
     """Sec. 4.4: one model, memories of several sizes, references D tokens back. The probes'
     loss is low where the memory holds the definition, and at chance where it does not."""
     config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0])
+    if args.exact_topk is not None:
+        config = config.replace(exact_topk=args.exact_topk)
     if not data.is_synthetic(run_args["data"]):
         raise UsageError(f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic task's "
                          f"bindings, so it needs a run trained with --data synthetic.")
@@ -479,7 +481,7 @@ def cmd_reach(args):
             # The key that answers a probe sits at the definition's value token; the query at
             # the token before the probe's value (its name).
             held = np.mean([within_reach(p - d[p], p - 1, c) for d, ps in zip(dist, probe_pos) for p in ps])
-            rows.append({"distance": D, "memory_size": m, "far_loss": r["reference_loss"],
+            rows.append({"distance": D, "memory_size": m, "exact_topk": c.exact_topk, "far_loss": r["reference_loss"],
                          "far_loss_memory_off": off["reference_loss"], "tokens": r["reference_tokens"],
                          "in_reach": float(held), "mean_distance": float(all_dist.mean()),
                          "perplexity": r["perplexity"], "seconds": time.perf_counter() - start})
@@ -615,14 +617,16 @@ def build_parser():
                        "documents with references D tokens back (the needle test)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("run_dir", help="a train.py output directory of a run trained on --data synthetic")
-    s.add_argument("--distances", type=positive_ints, default=[1024, 4096, 16384, 61440],
+    s.add_argument("--distances", type=positive_ints, default="1024,4096,16384,61440",
                    help="comma-separated: how many tokens back each probe's value was defined")
-    s.add_argument("--memory-sizes", type=positive_ints, default=[512, 2048, 8192, 65536],
+    s.add_argument("--memory-sizes", type=positive_ints, default="512,2048,8192,65536",
                    help="comma-separated memory sizes M to evaluate the same weights with (multiples of T)")
     s.add_argument("--docs", type=positive, default=8, help="documents per distance, 8 probes each")
+    s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
+                   "approximate top-k; None: the run's")
     s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
-    s.add_argument("--json", help="write the rows here: a list of objects with distance, memory_size, far_loss, "
-                   "far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
+    s.add_argument("--json", help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
+                   "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--data", default="stdlib", help="corpus for every row")
