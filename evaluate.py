@@ -6,6 +6,7 @@
   python evaluate.py explore RUN_DIR [--doc N] --out page.html
   python evaluate.py recall RUN_DIR [--memory-size M] [--dtype bfloat16]
   python evaluate.py reach RUN_DIR [--distances 1024,4096,16384,61440] [--memory-sizes 512,2048,8192,65536]
+  python evaluate.py finetune [--steps 1500] [--finetune-steps 500] [--out-root runs/finetune]
   python evaluate.py table [--data ...] [--steps N] [--seeds N] [--out-root DIR]
 
 Every perplexity of a memory model comes with its memory-off ablation: the same weights with
@@ -496,6 +497,19 @@ def cmd_reach(args):
     return 0
 
 
+def finished_or_trained(name, out, flags, steps):
+    """The eval.json of the run in `out` once it has finished at `steps` (a global step count):
+    reused if it has, resumed if it stopped before, trained with `flags` if it is new. An
+    exit code instead if training fails."""
+    ev = train.read_json(os.path.join(out, "eval.json"))
+    if ev and ev.get("step") == steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss")):
+        return ev
+    resume = os.path.isfile(os.path.join(out, "config.json"))
+    print(f"{'resuming' if resume else 'training'} {name} -> {out}", flush=True)
+    code = train.main(["--out", out, "--resume", "--steps", str(steps)] if resume else flags + ["--out", out])
+    return code or train.read_json(os.path.join(out, "eval.json"))
+
+
 def cmd_table(args):
     preset = mt.PRESETS["tiny"]
     names = [n for n, _, _ in TABLE_ROWS]
@@ -525,16 +539,9 @@ def cmd_table(args):
     for name, segments, xl, runs, flags in plan:
         per_seed = []
         for seed, out in runs:
-            ev = train.read_json(os.path.join(out, "eval.json"))
-            done = ev and ev.get("step") == args.steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss"))
-            if not done:  # a new run; or one interrupted, or trained to other --steps: continue it
-                resume = os.path.isfile(os.path.join(out, "config.json"))
-                print(f"{'resuming' if resume else 'training'} {name}, seed {seed} -> {out}", flush=True)
-                code = train.main(["--out", out, "--resume", "--steps", str(args.steps)] if resume else
-                                  flags + ["--seed", str(seed), "--out", out])
-                if code:
-                    return code
-                ev = train.read_json(os.path.join(out, "eval.json"))
+            ev = finished_or_trained(f"{name}, seed {seed}", out, flags + ["--seed", str(seed)], args.steps)
+            if isinstance(ev, int):
+                return ev
             per_seed.append({"seed": seed, "run": out, "perplexity": ev["perplexity"],
                              "perplexity_memory_off": ev.get("perplexity_memory_off"), "tokens": ev["tokens"]})
         row = {"name": name, "memory_size": segments * T, "xl_cache": xl, "steps": args.steps,
@@ -567,6 +574,66 @@ def cmd_table(args):
     print(f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last occurred "
           f"beyond the window (segment + XL cache) but within the row's memory")
     train.atomic_write(os.path.join(args.out_root, "table.json"), json.dumps(rows, indent=2))
+    return 0
+
+
+def eval_curve(run_dir):
+    """The evaluations logged in a run's metrics.jsonl: step -> that line."""
+    curve = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "eval_loss" in rec:
+                curve[rec["step"]] = rec
+    return curve
+
+
+def cmd_finetune(args):
+    """Sec. 4.4: a model trained without memory learns to use one when fine-tuned with it.
+    Three runs of one preset: without memory for --steps; from it, with memory, for
+    --finetune-steps more; and with memory from scratch for the same total."""
+    total = args.steps + args.finetune_steps
+    common = ["--preset", args.preset, "--data", args.data, "--eval-every", str(args.eval_every),
+              "--eval-docs", str(args.eval_docs), "--eval-tokens", str(args.eval_tokens)]
+    common += sum([[f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
+                   ("segment_length", "batch_size", "num_neighbors", "memory_size") if getattr(args, k)], [])
+    try:
+        config = train.config_from_args(train.build_parser().parse_args(common))
+    except train.UsageError as e:
+        raise UsageError(str(e)) from None
+    if not config.memory_size:
+        raise UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
+    train.check_fits(config, config.batch_size)
+    train.check_writable_dir(args.out_root, "--out-root")
+    dirs = {k: os.path.join(args.out_root, k) for k in ("no_memory", "fine_tuned", "memory")}
+    plan = [("no memory", dirs["no_memory"], common + ["--memory-size", "0", "--steps", str(args.steps)], args.steps),
+            ("fine-tuned with memory", dirs["fine_tuned"], common + ["--init-from", dirs["no_memory"], "--steps",
+             str(args.finetune_steps)] + (["--fresh-start"] if args.fresh_start else []), total),
+            ("memory from scratch", dirs["memory"], common + ["--steps", str(total)], total)]
+    for name, out, flags, steps in plan:
+        ev = finished_or_trained(name, out, flags, steps)
+        if isinstance(ev, int):
+            return ev
+    scratch, before, after = (eval_curve(dirs[k]) for k in ("memory", "no_memory", "fine_tuned"))
+    tuned = {**before, **after}  # without memory up to --steps, then with
+    bands = [b for b in train.DISTANCE_BANDS if any(f"reference_loss_{b}" in r for r in scratch.values())]
+    key = lambda b: f"reference_loss_{b}" if bands else "eval_loss"
+    cols = bands or ["loss"]
+    fmt = lambda rec, c: "-" if rec is None or key(c) not in rec else f"{rec[key(c)]:.3f}"
+    print(f"\nloss on the references by distance (synthetic data), or validation loss; fine-tuning starts after step "
+          f"{args.steps}")
+    print(f"{'step':>6} | " + " ".join(f"{'scratch ' + c:>13}" for c in cols) + " | " +
+          " ".join(f"{'fine-tuned ' + c:>16}" for c in cols))
+    curve = []
+    for step in sorted(set(scratch) | set(tuned)):
+        a, b = scratch.get(step), tuned.get(step)
+        print(f"{step:>6} | " + " ".join(f"{fmt(a, c):>13}" for c in cols) + " | " +
+              " ".join(f"{fmt(b, c):>16}" for c in cols))
+        curve.append({"step": step, "memory_from_scratch": a, "fine_tuned": b,
+                      "fine_tuned_has_memory": step > args.steps})
+    train.atomic_write(os.path.join(args.out_root, "finetune.json"), json.dumps(
+        {"steps": args.steps, "finetune_steps": args.finetune_steps, "fresh_start": args.fresh_start,
+         "runs": dirs, "curve": curve}, indent=2))
     return 0
 
 
@@ -627,6 +694,23 @@ def build_parser():
     s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
     s.add_argument("--json", help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
                    "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
+    s = sub.add_parser("finetune", help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
+                       "memory from scratch for the same total steps", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run")
+    s.add_argument("--data", default="synthetic", help="corpus of every run")
+    s.add_argument("--steps", type=positive, default=1500, help="steps without memory")
+    s.add_argument("--finetune-steps", type=positive, default=500, help="steps of fine-tuning with memory after them")
+    s.add_argument("--fresh-start", action="store_true", help="fine-tune with a fresh step count, warmup and "
+                   "Adafactor statistics (train.py --fresh-start) instead of continuing them")
+    s.add_argument("--eval-every", type=positive, default=100, help="steps between evaluations (the curve)")
+    s.add_argument("--eval-docs", type=positive, default=16, help="validation documents per evaluation")
+    s.add_argument("--eval-tokens", type=positive, default=1024, help="tokens from each document's start")
+    s.add_argument("--segment-length", type=positive, help="T (the preset's if unset)")
+    s.add_argument("--batch-size", type=positive, help="rows (the preset's if unset)")
+    s.add_argument("--num-neighbors", type=positive, help="k (the preset's if unset)")
+    s.add_argument("--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)")
+    s.add_argument("--out-root", default="runs/finetune", help="where the three runs go (no_memory, fine_tuned, "
+                   "memory); a run that finished is reused, an unfinished one resumed; finetune.json is written here")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--data", default="stdlib", help="corpus for every row")
@@ -649,7 +733,7 @@ def run(args):
         if getattr(args, name, None):
             train.check_output_file(getattr(args, name), name)
     return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect, "explore": cmd_explore,
-            "recall": cmd_recall, "reach": cmd_reach,
+            "recall": cmd_recall, "reach": cmd_reach, "finetune": cmd_finetune,
             "table": cmd_table}[args.command](args)
 
 

@@ -186,6 +186,8 @@ def evaluate_faults(command):
                    ["--seed", "-2"], ["--prompt-file", "/no/such/file"]],
         "reach": [["--distances", "x"], ["--distances", "0,1024"], ["--memory-sizes", "64,100"], ["--docs", "0"],
                   ["--memory-sizes", str(64 * 2 ** 34)], ["--seed", "-1"]],
+        "finetune": [["--steps", "0"], ["--finetune-steps", "x"], ["--preset", "huge"], ["--memory-size", "100"],
+                     ["--eval-docs", "0"], ["--segment-length", "100000"], ["--batch-size", "-3"]],
         "table": [["--rows", "bogus"], ["--segment-length", "100000"], ["--steps", "0"], ["--batch-size", "0"],
                   ["--num-neighbors", "100000"]],
     }[command]
@@ -199,6 +201,7 @@ def evaluate_faults(command):
         "sample": [lambda ws: ["--prompt-file", str(ws)], lambda ws: ["--prompt-file", str(ws / "afile"),
                                                                       "--prompt-doc", "0"]],
         "reach": [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "r.json")]],
+        "finetune": [lambda ws: ["--out-root", str(ws / "afile")]],
         "table": [lambda ws: ["--out-root", str(ws / "afile")]],
     }[command]
     sized = ["--memory-size"] if command in ("perplexity", "recall", "sample") else []
@@ -253,7 +256,7 @@ def odd_corpora(draw):
 def probes(draw):
     """(script, argv as a function of the workspace, run-file faults)."""
     command = draw(st.sampled_from(["train", "train on odd files", "train --resume", "perplexity", "compare", "inspect", "explore", "recall",
-                                    "reach", "table", "sample", "benchmark"]))
+                                    "reach", "table", "finetune", "sample", "benchmark"]))
     if command == "train":
         flags = draw(st.lists(train_faults(), min_size=1, max_size=3))
         return "train", lambda ws: FAST + ["--out", str(ws / "new")] + sum((f(ws) for f in flags), []), []
@@ -271,10 +274,10 @@ def probes(draw):
     need = {"compare": lambda ws: ["--memory-sizes", "0,64", "--csv", str(ws / "out.csv")],
             "explore": lambda ws: ["--out", str(ws / "page.html")],
             "sample": lambda ws: ["--prompt", "KALO", "--tokens", "3"]}.get(command, lambda ws: [])
-    if command == "table":
-        flags = draw(st.lists(evaluate_faults("table"), min_size=1, max_size=2))
-        return "evaluate", lambda ws: ["table", "--data", "synthetic:40", "--steps", "2",
-                                       "--out-root", str(ws / "table")] + sum((f(ws) for f in flags), []), []
+    if command in ("table", "finetune"):
+        flags = draw(st.lists(evaluate_faults(command), min_size=1, max_size=2))
+        return "evaluate", lambda ws: [command, "--data", "synthetic:40", "--steps", "2",
+                                       "--out-root", str(ws / command)] + sum((f(ws) for f in flags), []), []
     files = draw(st.lists(run_file_faults(), max_size=2))
     flags = draw(st.lists(evaluate_faults(command), min_size=0 if files else 1, max_size=2))
     if command == "sample":

@@ -164,6 +164,31 @@ def test_table_with_seeds_reports_the_mean_and_spread_of_every_rows_seeds(tmp_pa
             assert row["perplexity_memory_off"] is None and row["perplexity_memory_off_std"] is None
 
 
+def test_finetune_trains_without_memory_then_with_it_and_prints_both_curves(tmp_path, capsys):
+    root = tmp_path / "ft"
+    flags = ["finetune", "--preset", "tiny", "--data", "synthetic:40", "--steps", "4", "--finetune-steps", "2",
+             "--eval-every", "2", "--eval-docs", "2", "--eval-tokens", "64", "--segment-length", "32",
+             "--batch-size", "4", "--num-neighbors", "8", "--memory-size", "64", "--out-root", str(root)]
+    assert evaluate.main(flags) == 0
+    saved = {k: json.loads((root / k / "config.json").read_text()) for k in ("no_memory", "fine_tuned", "memory")}
+    assert [saved[k]["config"]["memory_size"] for k in ("no_memory", "fine_tuned", "memory")] == [0, 64, 64]
+    assert saved["fine_tuned"]["args"]["init_from"] == str(root / "no_memory")
+    assert not saved["fine_tuned"]["args"]["fresh_start"]
+    assert [json.loads((root / k / "eval.json").read_text())["step"] for k in saved] == [4, 6, 6]
+    result = json.loads((root / "finetune.json").read_text())
+    assert [c["step"] for c in result["curve"]] == [2, 4, 6]
+    assert [c["fine_tuned_has_memory"] for c in result["curve"]] == [False, False, True]
+    # The curve is the runs' logged evaluations: without memory up to step 4, fine-tuned after.
+    logged = lambda k: {r["step"]: r for r in map(json.loads, (root / k / "metrics.jsonl").read_text().splitlines())
+                        if "eval_loss" in r}
+    assert [c["fine_tuned"] for c in result["curve"]] == [logged("no_memory")[2], logged("no_memory")[4],
+                                                          logged("fine_tuned")[6]]
+    assert [c["memory_from_scratch"] for c in result["curve"]] == [logged("memory")[s] for s in (2, 4, 6)]
+    capsys.readouterr()
+    assert evaluate.main(flags) == 0  # reuses the three runs
+    assert "training" not in capsys.readouterr().out
+
+
 def test_bad_input_gets_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
     assert evaluate.main(["perplexity", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
