@@ -605,17 +605,22 @@ def cmd_finetune(args):
         raise UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
     train.check_fits(config, config.batch_size)
     train.check_writable_dir(args.out_root, "--out-root")
-    dirs = {k: os.path.join(args.out_root, k) for k in ("no_memory", "fine_tuned", "memory")}
+    # A fresh start counts its steps from 0 again: its own directory, and its curve shifted.
+    tuned_dir = "fine_tuned_fresh_start" if args.fresh_start else "fine_tuned"
+    dirs = {k: os.path.join(args.out_root, d) for k, d in
+            (("no_memory", "no_memory"), ("fine_tuned", tuned_dir), ("memory", "memory"))}
     plan = [("no memory", dirs["no_memory"], common + ["--memory-size", "0", "--steps", str(args.steps)], args.steps),
             ("fine-tuned with memory", dirs["fine_tuned"], common + ["--init-from", dirs["no_memory"], "--steps",
-             str(args.finetune_steps)] + (["--fresh-start"] if args.fresh_start else []), total),
+             str(args.finetune_steps)] + (["--fresh-start"] if args.fresh_start else []),
+             args.finetune_steps if args.fresh_start else total),
             ("memory from scratch", dirs["memory"], common + ["--steps", str(total)], total)]
     for name, out, flags, steps in plan:
         ev = finished_or_trained(name, out, flags, steps)
         if isinstance(ev, int):
             return ev
-    scratch, before, after = (eval_curve(dirs[k]) for k in ("memory", "no_memory", "fine_tuned"))
-    tuned = {**before, **after}  # without memory up to --steps, then with
+    scratch, before = eval_curve(dirs["memory"]), eval_curve(dirs["no_memory"])
+    shift = args.steps if args.fresh_start else 0
+    tuned = {**before, **{s + shift: r for s, r in eval_curve(dirs["fine_tuned"]).items()}}  # no memory, then memory
     bands = [b for b in train.DISTANCE_BANDS if any(f"reference_loss_{b}" in r for r in scratch.values())]
     key = lambda b: f"reference_loss_{b}" if bands else "eval_loss"
     cols = bands or ["loss"]
@@ -631,7 +636,7 @@ def cmd_finetune(args):
               " ".join(f"{fmt(b, c):>16}" for c in cols))
         curve.append({"step": step, "memory_from_scratch": a, "fine_tuned": b,
                       "fine_tuned_has_memory": step > args.steps})
-    train.atomic_write(os.path.join(args.out_root, "finetune.json"), json.dumps(
+    train.atomic_write(os.path.join(args.out_root, f"{tuned_dir.replace('fine_tuned', 'finetune')}.json"), json.dumps(
         {"steps": args.steps, "finetune_steps": args.finetune_steps, "fresh_start": args.fresh_start,
          "runs": dirs, "curve": curve}, indent=2))
     return 0
@@ -709,8 +714,9 @@ def build_parser():
     s.add_argument("--batch-size", type=positive, help="rows (the preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (the preset's if unset)")
     s.add_argument("--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)")
-    s.add_argument("--out-root", default="runs/finetune", help="where the three runs go (no_memory, fine_tuned, "
-                   "memory); a run that finished is reused, an unfinished one resumed; finetune.json is written here")
+    s.add_argument("--out-root", default="runs/finetune", help="where the three runs go (no_memory, fine_tuned or "
+                   "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one resumed; "
+                   "finetune.json (or finetune_fresh_start.json) is written here")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--data", default="stdlib", help="corpus for every row")

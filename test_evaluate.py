@@ -187,6 +187,15 @@ def test_finetune_trains_without_memory_then_with_it_and_prints_both_curves(tmp_
     capsys.readouterr()
     assert evaluate.main(flags) == 0  # reuses the three runs
     assert "training" not in capsys.readouterr().out
+    # --fresh-start: one more run, counting its steps from 0, shown after the no-memory steps.
+    assert evaluate.main(flags + ["--fresh-start"]) == 0
+    assert capsys.readouterr().out.count("training") == 1
+    fresh = root / "fine_tuned_fresh_start"
+    assert json.loads((fresh / "config.json").read_text())["args"]["fresh_start"]
+    assert json.loads((fresh / "eval.json").read_text())["step"] == 2
+    curve = json.loads((root / "finetune_fresh_start.json").read_text())["curve"]
+    assert [c["step"] for c in curve] == [2, 4, 6] and curve[2]["fine_tuned"]["step"] == 2
+    assert curve[2]["memory_from_scratch"] == result["curve"][2]["memory_from_scratch"]
 
 
 def test_bad_input_gets_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
