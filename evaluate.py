@@ -621,10 +621,10 @@ def cmd_finetune(args):
     scratch, before = eval_curve(dirs["memory"]), eval_curve(dirs["no_memory"])
     shift = args.steps if args.fresh_start else 0
     tuned = {**before, **{s + shift: r for s, r in eval_curve(dirs["fine_tuned"]).items()}}  # no memory, then memory
-    bands = [b for b in train.DISTANCE_BANDS if any(f"reference_loss_{b}" in r for r in scratch.values())]
-    key = lambda b: f"reference_loss_{b}" if bands else "eval_loss"
-    cols = bands or ["loss"]
-    fmt = lambda rec, c: "-" if rec is None or key(c) not in rec else f"{rec[key(c)]:.3f}"
+    # column -> metrics key: the reference losses by distance band (synthetic data), else the loss
+    cols = {b: f"reference_loss_{b}" for b in train.DISTANCE_BANDS
+            if any(f"reference_loss_{b}" in r for r in scratch.values())} or {"loss": "eval_loss"}
+    fmt = lambda rec, c: "-" if rec is None or cols[c] not in rec else f"{rec[cols[c]]:.3f}"
     print(f"\nloss on the references by distance (synthetic data), or validation loss; fine-tuning starts after step "
           f"{args.steps}")
     print(f"{'step':>6} | " + " ".join(f"{'scratch ' + c:>13}" for c in cols) + " | " +
