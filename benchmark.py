@@ -147,14 +147,15 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
     return table
 
 
-def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None):
+def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None, attention="explicit"):
     """One memory size, in this process: returns the row's measurements."""
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
     import train
     base = mt.PRESETS[preset]
-    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype, memory_dtype=memory_dtype)
+    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype, memory_dtype=memory_dtype,
+                     attention=attention)
     params = mt.init_params(c, jax.random.PRNGKey(0))
     opt_state = train.make_optimizer(c)[0](params)
     state = mt.init_state(c, batch)
@@ -211,6 +212,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
             "recall": measure_recall(c, memory_size), "train_flops": train_f, "forward_flops": fwd_f,
             "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype, "profile": top_ops,
+            "attention": c.attention,
             "memory_bytes": 2 * len(c.active_memory_layers) * batch * c.num_heads * memory_size * c.head_dim *
             jnp.dtype(c.storage_dtype).itemsize}
 
@@ -244,6 +246,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation precision")
     p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache "
                    "(default: the same as --dtype)")
+    p.add_argument("--attention", choices=["explicit", "fused"], default="explicit", help="local attention "
+                   "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)")
     p.add_argument("--json", help="write the rows to this file as a list of objects")
     p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
                    "that took the most time, and keep the trace, the HLO and the table in DIR")
@@ -269,7 +273,8 @@ def benchmark(args):
             raise train.UsageError(str(e)) from None
         train.check_fits(config, batch)
     if args.row is not None:
-        print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile)))
+        print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile,
+                                 args.attention)))
         return 0
     if args.json:
         train.check_output_file(args.json, "json")
@@ -280,7 +285,7 @@ def benchmark(args):
     rows = []
     for m in sizes:
         cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
-               "--steps", str(args.steps), "--dtype", args.dtype, "--row", str(m)]
+               "--steps", str(args.steps), "--dtype", args.dtype, "--attention", args.attention, "--row", str(m)]
         cmd += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
         cmd += ["--profile", args.profile] if args.profile else []
         code, stdout, stderr = run_child(cmd)
@@ -305,7 +310,7 @@ def benchmark(args):
     c = base
     print(f"device: {rows[0]['device']} | preset {args.preset}: {c.num_layers} layers, d_model {c.d_model}, "
           f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
-          f"{rows[-1]['memory_dtype']}, median of {args.steps} steps")
+          f"{rows[-1]['memory_dtype']}, {args.attention} attention, median of {args.steps} steps")
     fmt = lambda x: "-" if x is None else f"{x:.3f}"
     fmt4 = lambda x: "-" if x is None else f"{x:.4f}"
     print("\ntrain step")

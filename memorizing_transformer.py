@@ -52,6 +52,9 @@ class Config:
     memory_chunk: int = 1024  # memory slots scored at once: scores never exceed [B, H, T, chunk]
     dtype: str = "float32"  # activations, matmuls and memory search scores; "bfloat16" for mixed precision
     memory_dtype: str = None  # storage of the memory and the XL cache; None: the same as dtype
+    # local attention: "explicit" (einsums and a softmax, below) or "fused" (one call of
+    # jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with bfloat16)
+    attention: str = "explicit"
     # init: T5 bias of the first layer's first H/2 heads at distance 1 (0 = none, as in the paper).
     # A previous-token head is half of a copy (induction) circuit; this prior speeds it up.
     init_prev_token_bias: float = 0.0
@@ -100,6 +103,8 @@ class Config:
         if self.memory_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"memory_dtype must be 'float32', 'bfloat16' or None (as dtype), "
                              f"got {self.memory_dtype!r}.")
+        if self.attention not in ("explicit", "fused"):
+            raise ValueError(f"attention must be 'explicit' or 'fused', got {self.attention!r}.")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
                              f"({self.grad_accum}).")
@@ -294,6 +299,8 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     block meets only the W = T + Q keys its windows reach (W = S when that is fewer): with
     the XL cache and Q = T / 4, 160 scores a query instead of 256, the same result.
     """
+    if config.attention == "fused":
+        return fused_local_attention(q, k, v, key_valid, rel_bias, scale, config)
     B, H, T, D = q.shape
     S = k.shape[2]
     Q = query_block(T)
@@ -320,6 +327,37 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     any_valid = jnp.any(valid, axis=-1)[:, None, ..., None]  # [B, 1, n, Q, 1]: a padding query may see nothing
     out = (out / jnp.sum(e, axis=-1, keepdims=True) * any_valid).astype(v.dtype)  # [B, H, n, Q, D]
     return out.reshape(B, H, T, D)
+
+
+def fused_implementation(dtype):
+    """cuDNN's fused attention where it applies (a GPU, bfloat16), else JAX's XLA version of
+    the same call: the same math, which is how the tests hold it equal to the explicit one."""
+    return "cudnn" if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 else "xla"
+
+
+def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
+    """local_attention as one call of jax.nn.dot_product_attention (config.attention "fused").
+
+    The T5 bias goes in as an additive bias [1, H, T, S] (its gradient reaches the bias
+    table), the window and the keys' validity as a boolean mask [B, 1, T, S]. The kernel
+    keeps no [B, H, T, S] probabilities for the backward pass, but it scores all S keys, not
+    only the T + 1 of each window. On cuDNN the bias is bfloat16, like the logits it meets.
+    """
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    dist = (S - T + np.arange(T))[:, None] - np.arange(S)[None, :]  # [T, S]: query minus key position
+    window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
+    buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
+    impl = fused_implementation(q.dtype)
+    bias = jnp.transpose(rel_bias[buckets], (2, 0, 1))[None]  # [1, H, T, S]
+    bias = bias.astype(q.dtype if impl == "cudnn" else jnp.float32)
+    valid = window[None] & key_valid[:, None, :]  # [B, T, S]
+    heads_second = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # [B, H, N, D] <-> [B, N, H, D]
+    qs = q * scale.astype(q.dtype)[None, :, None, None]  # the per-head scale on the queries
+    out = jax.nn.dot_product_attention(heads_second(qs), heads_second(k), heads_second(v), bias=bias,
+                                       mask=valid[:, None], scale=1.0, implementation=impl)  # [B, T, H, D]
+    # A query that sees no valid key (padding after a reset) gets 0, as in local_attention.
+    return heads_second(out * jnp.any(valid, axis=-1)[:, :, None, None].astype(out.dtype))
 
 
 # ----------------------------------------------------------------------------- top-k (Sec. 3.3)

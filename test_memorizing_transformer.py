@@ -146,14 +146,15 @@ def test_t5_buckets_are_monotone_and_saturate(nb, md):
 
 # ----------------------------------------------------------------------------- local attention
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans())
-def test_local_attention_equals_explicit_loops(seed, xl, reset):
+@given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans(),
+       attention=st.sampled_from(["explicit", "fused"]))
+def test_local_attention_equals_explicit_loops(seed, xl, reset, attention):
     rng = np.random.default_rng(seed)
-    cfg = SMALL.replace(xl_cache=xl)
+    cfg = SMALL.replace(xl_cache=xl, attention=attention)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (rng.standard_normal((B, n, H, D)).astype(np.float32) for n in (T, C + T, C + T))
     key_valid = rng.random((B, C + T)) < 0.8
-    key_valid[:, C:] = True
+    key_valid[0, C:] = True  # row 1 has padding: with reset, some of its queries see no key at all
     if reset:
         key_valid[:, :C] = False
     bias = rng.standard_normal((cfg.num_buckets, H)).astype(np.float32)
@@ -164,19 +165,22 @@ def test_local_attention_equals_explicit_loops(seed, xl, reset):
         for h in range(H):
             for t in range(T):
                 keys = [s for s in range(C + T) if key_valid[b, s] and 0 <= C + t - s <= T]
+                if not keys:
+                    continue  # nothing to attend to: the output is 0
                 logits = [scale[h] * q[b, t, h] @ k[b, s, h] + bias[np_t5_bucket(C + t - s), h] for s in keys]
                 w = np.exp(np.array(logits) - max(logits))
                 want[b, t, h] = sum(wi * v[b, s, h] for wi, s in zip(w / w.sum(), keys))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_local_attention_gradients_equal_those_of_a_dense_gather_reference():
+@pytest.mark.parametrize("attention", ["explicit", "fused"])
+def test_local_attention_gradients_equal_those_of_a_dense_gather_reference(attention):
     """The model's formulation (queries in blocks, the T5 bias broadcast over rows with a
     gradient of its own, the mask as a bias, the softmax normalized after the value product,
-    the scale on the queries): its gradients (bias table, scale, q, k, v) must be those of the
-    plain formulation."""
+    the scale on the queries; or jax.nn.dot_product_attention): its gradients (bias table,
+    scale, q, k, v) must be those of the plain formulation."""
     rng = np.random.default_rng(7)
-    cfg = SMALL
+    cfg = SMALL.replace(attention=attention)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (jnp.asarray(rng.standard_normal((B, n, H, D)), jnp.float32) for n in (T, C + T, C + T))
     key_valid = jnp.asarray(rng.random((B, C + T)) < 0.8).at[:, C:].set(True)
@@ -197,6 +201,32 @@ def test_local_attention_gradients_equal_those_of_a_dense_gather_reference():
              for f in (model, reference)]
     for got, want, name in zip(*grads, ("q", "k", "v", "rel_bias", "scale")):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
+def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_explicit_one_in_float32():
+    """On a GPU, --attention fused with bfloat16 runs cuDNN's kernel (bf16 inputs and bias):
+    its output and gradients must stay within bf16 rounding of the explicit float32 math."""
+    rng = np.random.default_rng(3)
+    cfg = SMALL.replace(segment_length=64, head_dim=64, num_heads=2, d_model=128)
+    B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
+    q, k, v = (mt.l2_normalize(jnp.asarray(rng.standard_normal((B, H, n, D)), jnp.float32)) for n in (T, C + T, C + T))
+    key_valid = jnp.asarray(rng.random((B, C + T)) < 0.8).at[:, C:].set(True).at[1, :C].set(False)
+    bias = jnp.asarray(rng.standard_normal((cfg.num_buckets, H)), jnp.float32)
+    scale = jnp.asarray(rng.uniform(1, 5, H), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.float32)
+    assert mt.fused_implementation(jnp.bfloat16) == "cudnn"
+
+    def run(c, dt):
+        f = lambda q, k, v, bias: jnp.sum(mt.local_attention(q.astype(dt), k.astype(dt), v.astype(dt), key_valid,
+                                                               bias, scale, c).astype(jnp.float32) * r)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+
+    (want, want_grads), (got, got_grads) = run(cfg, jnp.float32), run(cfg.replace(attention="fused"), jnp.bfloat16)
+    np.testing.assert_allclose(got, want, rtol=0.02, atol=0.02 * float(jnp.sum(jnp.abs(r))) / r.size ** 0.5)
+    for g, w, name in zip(got_grads, want_grads, ("q", "k", "v", "rel_bias")):
+        err = float(jnp.linalg.norm(g.astype(jnp.float32) - w)) / float(jnp.linalg.norm(w))
+        assert err < 0.03, (name, err)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
 
 
 # ----------------------------------------------------------------------------- kNN attention
@@ -323,9 +353,10 @@ def randomize(params, seed):
     return dict(params, layers=layers)
 
 
+@pytest.mark.parametrize("attention", ["explicit", "fused"])
 @pytest.mark.parametrize("xl", [True, False])
-def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl):
-    cfg = SMALL.replace(memory_size=0, xl_cache=xl)
+def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl, attention):
+    cfg = SMALL.replace(memory_size=0, xl_cache=xl, attention=attention)
     params = randomize(mt.init_params(cfg, jax.random.PRNGKey(1)), 1)
     tokens = random_tokens(0, cfg, 2, 4)
     got, _ = stream(params, tokens, cfg)
@@ -346,6 +377,14 @@ def test_memory_streaming_equals_dense_attention_to_earlier_segments(params, gat
     got, _ = stream(params, tokens, cfg)
     want = reference_forward(params, np.asarray(tokens), cfg, gate=gate)
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_memory_streaming_with_fused_local_attention_equals_dense_attention(params):
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, attention="fused")
+    params = randomize(params, 3)
+    tokens = random_tokens(4, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
+    got, _ = stream(params, tokens, cfg)
+    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
 
 
 def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments():

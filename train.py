@@ -539,6 +539,9 @@ def build_parser():
                    "(params, softmax statistics and the loss stay float32)")
     p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache "
                    "(default: the same as --dtype)")
+    p.add_argument("--attention", choices=["explicit", "fused"], help="local attention: explicit einsums and "
+                   "softmax, or fused (jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with "
+                   "--dtype bfloat16, JAX's own version of it elsewhere); the same math")
     p.add_argument("--lr", type=finite_float, help="base learning rate (1.0 in the paper)")
     p.add_argument("--init-prev-token-bias", type=finite_float, help="initial T5 bias at distance 1 in half of "
                    "the first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
