@@ -480,10 +480,12 @@ def load_tokenizer(path):
     if not os.path.isfile(path):
         raise DataError(f"tokenizer file {path!r} does not exist.")
     sp = spm.SentencePieceProcessor()
-    try:
-        sp.load(path)
-    except (OSError, RuntimeError):
-        raise DataError(f"tokenizer file {path!r} is not a SentencePiece model.") from None
+    try:  # which exception a file that is not a model raises differs between sentencepiece builds
+        loaded = sp.load(path) is not False and sp.get_piece_size() > 0
+    except Exception:
+        loaded = False
+    if not loaded:
+        raise DataError(f"tokenizer file {path!r} is not a SentencePiece model.")
     return sp
 
 

@@ -208,7 +208,7 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_explicit_one_in_fl
     """On a GPU, --attention fused with bfloat16 runs cuDNN's kernel (bf16 inputs and bias):
     its output and gradients must stay within bf16 rounding of the explicit float32 math."""
     rng = np.random.default_rng(3)
-    cfg = SMALL.replace(segment_length=64, head_dim=64, num_heads=2, d_model=128)
+    cfg = SMALL.replace(segment_length=64, head_dim=64, num_heads=2, d_model=128, memory_size=0)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (mt.l2_normalize(jnp.asarray(rng.standard_normal((B, H, n, D)), jnp.float32)) for n in (T, C + T, C + T))
     key_valid = jnp.asarray(rng.random((B, C + T)) < 0.8).at[:, C:].set(True).at[1, :C].set(False)
