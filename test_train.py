@@ -310,13 +310,15 @@ def test_bad_flags_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys, fla
 
 
 def test_model_size_flags_set_the_config_and_the_parameter_shapes(tmp_path, cache):
-    """Sec. 4.5 trains other sizes: every size field of Config has its flag."""
+    """Sec. 4.5 trains other sizes: every size field of Config has its flag (and the local
+    attention's formulation, here the fused one, has one too)."""
     assert run(tmp_path / "r", cache, "--steps", "1", "--d-model", "48", "--num-heads", "3", "--head-dim", "16",
-               "--d-ff", "96", "--num-layers", "2", "--memory-layers", "1", "--vocab-size", "1024") == 0
+               "--d-ff", "96", "--num-layers", "2", "--memory-layers", "1", "--vocab-size", "1024",
+               "--attention", "fused") == 0
     with open(tmp_path / "r" / "config.json") as f:
         c = json.load(f)["config"]
-    assert (c["d_model"], c["num_heads"], c["head_dim"], c["d_ff"], c["num_layers"], c["vocab_size"]) == \
-        (48, 3, 16, 96, 2, 1024)
+    assert (c["d_model"], c["num_heads"], c["head_dim"], c["d_ff"], c["num_layers"], c["vocab_size"], c["attention"]) == \
+        (48, 3, 16, 96, 2, 1024, "fused")
     _, arrays = train.load_checkpoint(str(tmp_path / "r" / "checkpoint.npz"))
     assert arrays["params['embed']"].shape == (1024, 48) and arrays["params['w_out']"].shape == (48, 1024)
     assert arrays["params['layers'][1]['wq']"].shape == (48, 3, 16) and arrays["params['layers'][1]['w1']"].shape == (48, 96)
