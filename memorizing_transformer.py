@@ -329,10 +329,13 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     return out.reshape(B, H, T, D)
 
 
-def fused_implementation(dtype):
-    """cuDNN's fused attention where it applies (a GPU, bfloat16), else JAX's XLA version of
-    the same call: the same math, which is how the tests hold it equal to the explicit one."""
-    return "cudnn" if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 else "xla"
+def fused_implementation(dtype, T, S, D):
+    """cuDNN's fused attention where it applies (a GPU, bfloat16, even T and S, D a multiple of
+    8 up to 128: the shapes its kernel takes with a bias in training), else JAX's XLA version
+    of the same call: the same math, which is how the tests hold it equal to the explicit one."""
+    cudnn = jax.default_backend() == "gpu" and dtype == jnp.bfloat16 and T % 2 == 0 and S % 2 == 0 and \
+        D % 8 == 0 and D <= 128
+    return "cudnn" if cudnn else "xla"
 
 
 def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
@@ -348,7 +351,7 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     dist = (S - T + np.arange(T))[:, None] - np.arange(S)[None, :]  # [T, S]: query minus key position
     window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
     buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
-    impl = fused_implementation(q.dtype)
+    impl = fused_implementation(q.dtype, T, S, D)
     bias = jnp.transpose(rel_bias[buckets], (2, 0, 1))[None]  # [1, H, T, S]
     bias = bias.astype(q.dtype if impl == "cudnn" else jnp.float32)
     valid = window[None] & key_valid[:, None, :]  # [B, T, S]

@@ -215,7 +215,8 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_explicit_one_in_fl
     bias = jnp.asarray(rng.standard_normal((cfg.num_buckets, H)), jnp.float32)
     scale = jnp.asarray(rng.uniform(1, 5, H), jnp.float32)
     r = jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.float32)
-    assert mt.fused_implementation(jnp.bfloat16) == "cudnn"
+    assert mt.fused_implementation(jnp.bfloat16, T, C + T, D) == "cudnn"
+    assert mt.fused_implementation(jnp.bfloat16, T + 1, C + T + 1, D) == mt.fused_implementation(jnp.float32, T, C + T, D) == "xla"
 
     def run(c, dt):
         f = lambda q, k, v, bias: jnp.sum(mt.local_attention(q.astype(dt), k.astype(dt), v.astype(dt), key_valid,
