@@ -288,6 +288,13 @@ def query_block(T):
     return T // 4 if T % 4 == 0 else T
 
 
+def window_and_buckets(dist, config):
+    """For query-minus-key distances (numpy): whether the sliding window shows the key (the
+    token itself and the previous segment_length), and the T5 bucket of the distance."""
+    window = (dist >= 0) & (dist <= config.segment_length)
+    return window, relative_position_bucket(-dist, config.num_buckets, config.max_distance)
+
+
 def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     """Sec. 3: causal self-attention over [XL cache; segment] with a sliding window and T5 bias.
 
@@ -309,8 +316,7 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     starts = np.clip(q_pos[:, -1] + 1 - W, 0, S - W)  # [n]: each block's first key
     k_pos = starts[:, None] + np.arange(W)  # [n, W]
     dist = q_pos[:, :, None] - k_pos[:, None, :]  # [n, Q, W]
-    window = (dist >= 0) & (dist <= config.segment_length)  # [n, Q, W]
-    buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [n, Q, W]
+    window, buckets = window_and_buckets(dist, config)  # [n, Q, W] each
     blocks = lambda x, axis: jnp.stack([jax.lax.slice_in_dim(x, s, s + W, axis=axis) for s in starts], axis=axis)
     valid = window[None] & blocks(key_valid, 1)[:, :, None, :]  # [B, n, Q, W]
     # The bias, and the mask as a bias: masked keys get NEG_INF, and so the softmax weight 0.
@@ -349,8 +355,7 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     B, H, T, D = q.shape
     S = k.shape[2]
     dist = (S - T + np.arange(T))[:, None] - np.arange(S)[None, :]  # [T, S]: query minus key position
-    window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
-    buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
+    window, buckets = window_and_buckets(dist, config)  # [T, S] each
     impl = fused_implementation(q.dtype, T, S, D)
     bias = jnp.transpose(rel_bias[buckets], (2, 0, 1))[None]  # [1, H, T, S]
     bias = bias.astype(q.dtype if impl == "cudnn" else jnp.float32)
