@@ -17,11 +17,13 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is wr
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import hashlib
 import json
 import math
+import platform
 import sys
 import tempfile
 import time
@@ -466,6 +468,26 @@ def run_command(command, args):
             signal.signal(s, handler)
 
 
+def keep_freed_host_memory():
+    """Let the process keep the host memory it frees (Linux with glibc; elsewhere nothing).
+
+    XLA's CPU backend allocates a step's temporaries as one block (100 MB for the tiny preset's
+    gradient). glibc maps a block that large fresh on every allocation and unmaps it when it is
+    freed, so each step touched its temporaries as new pages: 25,000 page faults a step, each
+    page zeroed by the kernel. With one arena, no separate mappings and no trimming, the freed
+    block stays in the heap and the next step reuses it. The cost: the process's resident
+    memory stays at its peak. Returns whether the setting took."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
+    return all(mallopt(option, value) == 1 for option, value in
+               ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2 ** 31 - 1)))
+
+
 def run_main(parser, command, argv):
     """A script's main(): parse argv (--help, or a bad flag printed in one line, end here with
     exit code 0 or 2), then run_command."""
@@ -473,6 +495,7 @@ def run_main(parser, command, argv):
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code
+    keep_freed_host_memory()
     return run_command(command, args)
 
 
