@@ -472,8 +472,8 @@ def keep_freed_host_memory():
     """Let the process keep the host memory it frees (Linux with glibc; elsewhere nothing).
 
     XLA's CPU backend allocates a step's temporaries as one block (100 MB for the tiny preset's
-    gradient). glibc maps a block that large fresh on every allocation and unmaps it when it is
-    freed, so each step touched its temporaries as new pages: 25,000 page faults a step, each
+    gradient). glibc maps any block over 32 MB fresh from the kernel and unmaps it when it is
+    freed, so each step wrote its temporaries into new pages: 25,000 page faults a step, each
     page zeroed by the kernel. With one arena, no separate mappings and no trimming, the freed
     block stays in the heap and the next step reuses it. The cost: the process's resident
     memory stays at its peak. Returns whether the setting took."""
