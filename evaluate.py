@@ -187,6 +187,8 @@ def cmd_compare(args):
     config_a, params_a, sp, run_args = load_run(args.run_dir, a)
     config_b, params_b, _, _ = load_run(args.run_dir, b)
     doc, _ = _doc(args, run_args, sp, config_a)
+    print(f"memory {a} vs {b}: evaluating validation document {args.doc} ({len(doc) - 1} tokens) twice...",
+          flush=True)
     ce_a, _ = per_token_loss(params_a, config_a, doc)
     ce_b, _ = per_token_loss(params_b, config_b, doc)
     delta = ce_a - ce_b  # Sec. 4.6: positive = the memory of size B helped

@@ -553,7 +553,7 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
     """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it."""
     proc = launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0",
                                   "--csv", str(tmp_path / "c.csv")])
-    time.sleep(4)
+    wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
     proc.send_signal(signal.SIGTERM)
     assert_interrupted(proc)
     assert not (tmp_path / "c.csv").exists()
@@ -571,3 +571,16 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
     time.sleep(0.5)
     assert not any(os.path.exists(f"/proc/{k}") and "Z" not in open(f"/proc/{k}/stat").read().split()[2]
                    for k in kids), "a row process outlived benchmark.py"
+
+
+@pytest.mark.parametrize("size", [10 ** 6, 1], ids=["while-running", "at-exit"])
+def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size):
+    """`python evaluate.py compare ... | head -1`: once the reader is gone, the next write to stdout
+    (during the command, or the last flush at exit) ends the process with SIGPIPE's code, 141, and
+    nothing on stderr (it was once 'error: Broken pipe: None', exit 2)."""
+    child = (f"import train; train.exit_with(train.run_command(lambda args: print('x' * {size}) or 0, None))")
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == ""

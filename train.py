@@ -451,6 +451,8 @@ def run_command(command, args):
     except (UsageError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader stopped reading (`| head`): stop quietly, as shell tools do
+        return _stdout_gone()
     except OSError as e:  # a file the checks did not foresee: say which, and why
         print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
@@ -499,9 +501,21 @@ def run_main(parser, command, argv):
     return run_command(command, args)
 
 
+def _stdout_gone():
+    """Point stdout at /dev/null, so that nothing more fails on it, and return the exit code of a
+    process killed by SIGPIPE (128 + 13)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
+
+
 def exit_with(code):
     """sys.exit, except after an interrupt: leave at once (os._exit), without the interpreter's
-    teardown, which can crash while JAX's threads still run a computation."""
+    teardown, which can crash while JAX's threads still run a computation. A reader of stdout
+    that stopped early (`| head`) ends it quietly with 141."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _stdout_gone()
     if code == 130:
         sys.stdout.flush()
         sys.stderr.flush()
