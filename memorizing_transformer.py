@@ -208,14 +208,14 @@ def init_params(config, rng):
             "wo": normal((H, D, E), (H * D * 2 * c.num_layers) ** -0.5),
             # Sec. 3.2: q and k are unit vectors, so q.k has spread 1/sqrt(D); a scale of
             # sqrt(D) gives the initial logits unit spread.
-            "qk_scale": jnp.full((H,), math.sqrt(D)),
+            "qk_scale": jnp.full((H,), math.sqrt(D), jnp.float32),
             "rel_bias": prior if i == 0 else jnp.zeros((c.num_buckets, H)),  # T5 bias, one table a layer
             "ffn_norm": jnp.ones((E,)),
             "w1": normal((E, F), E ** -0.5),
             "w2": normal((F, E), (F * 2 * c.num_layers) ** -0.5),
         }
         if i in c.active_memory_layers:
-            layer["gate_bias"] = jnp.full((H,), c.init_gate_bias)  # Eq. (1): g = sigmoid(0) = 0.5 by default
+            layer["gate_bias"] = jnp.full((H,), c.init_gate_bias, jnp.float32)  # Eq. (1): g = sigmoid(0) = 0.5 by default
         layers.append(layer)
     return {
         "embed": normal((c.vocab_size, E), 1.0),

@@ -510,3 +510,20 @@ def test_gradient_accumulation_gives_the_same_step_as_one_big_batch():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     for a, b in zip(s1, s2):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_compiles_its_train_step_once():
+    """The step's outputs have the types of its inputs, so feeding them back never recompiles.
+    (Parameters made with a Python float, e.g. jnp.full(shape, 5.66), are 'weakly typed' float32,
+    a different input type from the step's float32 output: every run compiled its step twice.)"""
+    c = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=8,
+                  memory_layers=(1,), memory_size=16, num_neighbors=4, batch_size=4, warmup_steps=1)
+    tokens = np.random.default_rng(0).integers(0, 64, (4, 8)).astype(np.int32)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones((4, 8), bool),
+             "reset": np.zeros(4, bool)}
+    step = train.make_train_step.__wrapped__(c)  # a fresh jit, not the one other tests share
+    params = mt.init_params(c, jax.random.PRNGKey(0))
+    carry = (params, train.make_optimizer(c)[0](params), mt.init_state(c, 4))
+    for _ in range(3):
+        carry = step(*carry, batch)[:3]
+    assert step._cache_size() == 1
