@@ -63,9 +63,12 @@ def load_run(run_dir, memory_size=None):
                          f"vocab_size {config.vocab_size}: it is not the run's tokenizer.")
     ckpt = os.path.join(run_dir, "checkpoint.npz")
     _, arrays = train.load_checkpoint(ckpt)
-    params = train.restore_tree(mt.init_params(config, jax.random.PRNGKey(0)), arrays, "params", ckpt,
-                         # a run trained without memory, evaluated with one, gets fresh gates (g = 0.5)
-                         strict=not config.active_memory_layers or any("gate_bias" in k for k in arrays))
+    # A run trained without memory, evaluated with one, gets fresh gates (g = 0.5): only then
+    # are parameters initialized; otherwise their shapes are the template (no compile, no work).
+    fresh_gates = bool(config.active_memory_layers) and not any("gate_bias" in k for k in arrays)
+    init = lambda: mt.init_params(config, jax.random.PRNGKey(0))
+    params = train.restore_tree(init() if fresh_gates else jax.eval_shape(init), arrays, "params", ckpt,
+                                strict=not fresh_gates)
     return config, params, sp, saved["args"]
 
 

@@ -3,6 +3,7 @@ import argparse
 import csv
 import json
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -102,6 +103,26 @@ def test_inspect_prints_the_retrieval_table(run_dir, capsys):
     assert evaluate.main(["inspect", run_dir, "--top", "3", "--max-tokens", "200"]) == 0
     out = capsys.readouterr().out
     assert out.count("\nquery ") == 3 and "memory" in out and "head" in out
+
+
+def test_a_checkpoint_without_gates_is_loaded_with_fresh_gates_and_every_other_weight_its_own(run_dir, tmp_path):
+    """A run trained without memory, evaluated with one: its checkpoint has no gate_bias, so
+    only then are parameters initialized (the gates at init_gate_bias); every other weight is
+    the checkpoint's. With the gates in the checkpoint, nothing is initialized."""
+    meta, arrays = train.load_checkpoint(f"{run_dir}/checkpoint.npz")
+    config, params, _, _ = evaluate.load_run(run_dir)
+    gates = {k for k in arrays if "gate_bias" in k}
+    assert gates and any(np.any(arrays[k] != config.init_gate_bias) for k in gates)  # trained away from init
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    kept = {k: v for k, v in arrays.items() if k not in gates}
+    train.atomic_write(str(run / "checkpoint.npz"), lambda f: np.savez(
+        f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **kept))
+    for path, loaded in ((run_dir, params), (str(run), evaluate.load_run(str(run))[1])):
+        for p, x in jax.tree_util.tree_flatten_with_path(loaded)[0]:
+            key = "params" + jax.tree_util.keystr(p)
+            expected = arrays[key] if path == run_dir or key not in gates else np.full(x.shape, config.init_gate_bias)
+            np.testing.assert_array_equal(np.asarray(x), expected, err_msg=key)
 
 
 def test_slot_positions_follow_the_ring_buffer_layout():

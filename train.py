@@ -705,10 +705,13 @@ def initial_state(config, args, out, stream):
     """(params, optimizer state, model state, step): fresh, or resumed from the checkpoint in
     --out (the data stream is moved to where it stopped), or with --init-from's weights.
     Reads, never writes."""
-    params = mt.init_params(config, jax.random.PRNGKey(config.seed))
-    opt_state = make_optimizer(config)[0](params)
+    def fresh():
+        params = mt.init_params(config, jax.random.PRNGKey(config.seed))
+        return params, make_optimizer(config)[0](params)
+
     state = mt.init_state(config, config.batch_size)
-    if args.resume:
+    if args.resume:  # the checkpoint has every value: only the structure and dtypes are needed
+        params, opt_state = jax.eval_shape(fresh)
         path = os.path.join(out, "checkpoint.npz")
         if not os.path.isfile(path):
             raise UsageError(f"{out} has no checkpoint to resume from (stopped before its first save); "
@@ -724,6 +727,7 @@ def initial_state(config, args, out, stream):
         if meta["step"] > config.steps:
             raise UsageError(f"the checkpoint in {out} is at step {meta['step']}, past --steps {config.steps}.")
         return params, opt_state, state, meta["step"]
+    params, opt_state = fresh()
     if args.init_from:
         path = os.path.join(args.init_from, "checkpoint.npz")
         meta, arrays = load_checkpoint(path)
