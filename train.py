@@ -518,7 +518,7 @@ def exit_with(code):
     try:
         sys.stdout.flush()
     except BrokenPipeError:
-        code = _stdout_gone()
+        code = _stdout_gone() if code == 0 else code  # a failure keeps its own code
     if code == 130:
         sys.stdout.flush()
         sys.stderr.flush()
