@@ -573,14 +573,18 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
                    for k in kids), "a row process outlived benchmark.py"
 
 
-@pytest.mark.parametrize("size", [10 ** 6, 1], ids=["while-running", "at-exit"])
-def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size):
+@pytest.mark.parametrize("size, code, expected", [(10 ** 6, 0, 141), (1, 0, 141), (1, 2, 2)],
+                         ids=["while-running", "at-exit", "failure-at-exit"])
+def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size, code, expected):
     """`python evaluate.py compare ... | head -1`: once the reader is gone, the next write to stdout
     (during the command, or the last flush at exit) ends the process with SIGPIPE's code, 141, and
-    nothing on stderr (it was once 'error: Broken pipe: None', exit 2)."""
-    child = (f"import train; train.exit_with(train.run_command(lambda args: print('x' * {size}) or 0, None))")
+    nothing on stderr (it was once 'error: Broken pipe: None', exit 2); a command that failed
+    keeps its own code. stdout is block-buffered here, as in a shell pipe, so a short line waits
+    for the flush at exit."""
+    child = f"import train; train.exit_with(train.run_command(lambda args: print('x' * {size}) or {code}, None))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen([sys.executable, "-c", child], cwd=HERE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     proc.stdout.close()
-    assert proc.wait(timeout=120) == 141
+    assert proc.wait(timeout=120) == expected
     assert proc.stderr.read() == ""

@@ -518,9 +518,9 @@ def exit_with(code):
     try:
         sys.stdout.flush()
     except BrokenPipeError:
-        code = _stdout_gone() if code == 0 else code  # a failure keeps its own code
+        gone = _stdout_gone()
+        code = code or gone  # a failure keeps its own code
     if code == 130:
-        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
     sys.exit(code)
