@@ -144,6 +144,24 @@ def test_t5_buckets_are_monotone_and_saturate(nb, md):
     np.testing.assert_array_equal(b, [np_t5_bucket(int(d), nb, md) for d in n])
 
 
+# ----------------------------------------------------------------------------- T5 bias lookup
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_position_bias_and_its_gradient_equal_a_lookup_and_a_sum_per_bucket(one_hot):
+    """Both forms of the T5 bias lookup (a gather; a one-hot product, the GPU's default): the
+    values are the table's entries, the gradient of each entry the sum over its pairs."""
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((32, 4)).astype(np.float32)  # [num_buckets, H]
+    buckets = rng.integers(0, 32, (3, 16, 24))  # e.g. [n, Q, W]; bucket 31 may be absent
+    upstream = rng.standard_normal((4, 3, 16, 24)).astype(np.float32)  # [H, ...]
+    lookup = lambda t: mt.position_bias(t, buckets, one_hot)
+    got, grad = jax.jit(lambda t: (lookup(t), jax.grad(lambda t: jnp.sum(lookup(t) * upstream))(t)))(jnp.asarray(table))
+    np.testing.assert_array_equal(got, np.moveaxis(table[buckets], -1, 0))
+    want = np.zeros((32, 4))
+    for idx in np.ndindex(buckets.shape):
+        want[buckets[idx]] += upstream[(slice(None),) + idx]
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- local attention
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans(),
@@ -232,9 +250,10 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_explicit_one_in_fl
 
 # ----------------------------------------------------------------------------- kNN attention
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]))
-def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill):
-    """Exact top-k with k = number of valid entries retrieves them all: dense softmax over them."""
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]), products=st.booleans())
+def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill, products):
+    """Exact top-k with k = number of valid entries retrieves them all: dense softmax over them.
+    Either form of the attention over the retrieved pairs (einsums; products and sums)."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(exact_topk=True, num_neighbors=max(fill, 1))
     B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
@@ -245,12 +264,38 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
     for b in range(B):
         valid[b, rng.choice(M, fill, replace=False)] = True
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=5)(heads_first(q), mk, mv, valid, scale, cfg)
+    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6))(heads_first(q), mk, mv, valid, scale, cfg, products)
     out = heads_first(out)
     w = np_softmax_masked(np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :])
     np.testing.assert_allclose(out, np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
     assert np.all(np.asarray(has) == (fill > 0))
     assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("products", [False, True])
+def test_knn_attention_gradients_equal_those_of_dense_attention(products):
+    """With every valid slot retrieved, the gradients (queries, scale) of either form are those
+    of a dense softmax over the valid slots; none reach the memory (it is constant)."""
+    rng = np.random.default_rng(11)
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=8)
+    B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
+    q = jnp.asarray(np_unit(rng.standard_normal((B, H, T, D))), jnp.float32)
+    mk = jnp.asarray(np_unit(rng.standard_normal((B, H, M, D))), jnp.float32)
+    mv = jnp.asarray(rng.standard_normal((B, H, M, D)), jnp.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, 8, replace=False)] = True
+    scale = jnp.asarray(rng.uniform(1, 5, H), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.float32)
+
+    def dense(q, scale):
+        logits = jnp.einsum("bhtd,bhmd->bhtm", q, mk) * scale[None, :, None, None]
+        w = jax.nn.softmax(jnp.where(valid[:, None, None, :], logits, -jnp.inf), axis=-1)
+        return jnp.einsum("bhtm,bhmd->bhtd", w, mv)
+
+    model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, products)[0]
+    grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1)))(q, scale) for f in (model, dense)]
+    for got, want, name in zip(*grads, ("q", "scale")):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients():
@@ -434,6 +479,30 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
     _, state = forward(params, state, random_tokens(7, cfg, 2, 1), jnp.array([True, False]), cfg)
     valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool))[2])
     assert valid.sum(1).tolist() == [T, min((n + 1) * T, M)]
+
+
+@pytest.mark.parametrize("reset", [[False] * 4, [True, False, True, False], [False, False, False, True], [True] * 4])
+def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(reset):
+    """Ethics section: a reset row's memory is zeros, not only flagged invalid; the other rows
+    keep every slot and get the pending segment at their write position. Numpy reference."""
+    cfg, T, M = SMALL, SMALL.segment_length, SMALL.memory_size
+    rng = np.random.default_rng(5)
+    state = mt.init_state(cfg, 4)
+    draw = lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    pos = np.array([0, T, M - T, 2 * T]) % M
+    state = state._replace(mem_k=draw(state.mem_k), mem_v=draw(state.mem_v), pending_k=draw(state.pending_k),
+                           pending_v=draw(state.pending_v), mem_valid=jnp.ones((4, M), bool),
+                           pending_valid=jnp.ones((4, T), bool), mem_pos=jnp.asarray(pos, jnp.int32))
+    got = jax.jit(mt.commit_memory)(state, jnp.asarray(reset))
+    for mem, pending, new in ((state.mem_k, state.pending_k, got[0]), (state.mem_v, state.pending_v, got[1])):
+        want = np.array(mem)
+        for b in range(4):
+            if reset[b]:
+                want[b] = 0
+            else:
+                want[b, :, :, pos[b]:pos[b] + T] = pending[b]
+        np.testing.assert_array_equal(new, want)
+    assert np.asarray(got[3]).tolist() == [0 if r else (p + T) % M for r, p in zip(reset, pos)]
 
 
 def test_padding_is_never_stored_as_a_valid_entry(params):
