@@ -323,8 +323,9 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     block meets only the W = T + Q keys its windows reach (W = S when that is fewer): with
     the XL cache and Q = T / 4, 160 scores a query instead of 256, the same result.
     """
-    if config.attention == "fused":
-        return fused_local_attention(q, k, v, key_valid, rel_bias, scale, config)
+    if config.attention == "fused":  # the same, in the fused call's layout [B, T, H, D]
+        swap = lambda x: jnp.swapaxes(x, 1, 2)
+        return swap(fused_local_attention(swap(q), swap(k), swap(v), key_valid, rel_bias, scale, config))
     B, H, T, D = q.shape
     S = k.shape[2]
     Q = query_block(T)
@@ -362,27 +363,27 @@ def fused_implementation(dtype, T, S, D):
 
 
 def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
-    """local_attention as one call of jax.nn.dot_product_attention (config.attention "fused").
+    """local_attention as one call of jax.nn.dot_product_attention (config.attention "fused"),
+    in that call's layout: q [B, T, H, D]; k, v [B, S, H, D] -> [B, T, H, D].
 
     The T5 bias goes in as an additive bias [1, H, T, S] (its gradient reaches the bias
     table), the window and the keys' validity as a boolean mask [B, 1, T, S]. The kernel
     keeps no [B, H, T, S] probabilities for the backward pass, but it scores all S keys, not
     only the T + 1 of each window. On cuDNN the bias is bfloat16, like the logits it meets.
     """
-    B, H, T, D = q.shape
-    S = k.shape[2]
+    B, T, H, D = q.shape
+    S = k.shape[1]
     dist = (S - T + np.arange(T))[:, None] - np.arange(S)[None, :]  # [T, S]: query minus key position
     window, buckets = window_and_buckets(dist, config)  # [T, S] each
     impl = fused_implementation(q.dtype, T, S, D)
     bias = position_bias(rel_bias, buckets)[None]  # [1, H, T, S]
     bias = bias.astype(q.dtype if impl == "cudnn" else jnp.float32)
     valid = window[None] & key_valid[:, None, :]  # [B, T, S]
-    heads_second = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # [B, H, N, D] <-> [B, N, H, D]
-    qs = q * scale.astype(q.dtype)[None, :, None, None]  # the per-head scale on the queries
-    out = jax.nn.dot_product_attention(heads_second(qs), heads_second(k), heads_second(v), bias=bias,
-                                       mask=valid[:, None], scale=1.0, implementation=impl)  # [B, T, H, D]
+    qs = q * scale.astype(q.dtype)[None, None, :, None]  # the per-head scale on the queries
+    out = jax.nn.dot_product_attention(qs, k, v, bias=bias, mask=valid[:, None], scale=1.0,
+                                       implementation=impl)  # [B, T, H, D]
     # A query that sees no valid key (padding after a reset) gets 0, as in local_attention.
-    return heads_second(out * jnp.any(valid, axis=-1)[:, :, None, None].astype(out.dtype))
+    return out * jnp.any(valid, axis=-1)[:, :, None, None].astype(out.dtype)
 
 
 # ----------------------------------------------------------------------------- top-k (Sec. 3.3)
@@ -612,37 +613,46 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
 
     x = params["embed"][tokens].astype(dt)  # [B, T, E]
     new_k, new_v, pending_k, pending_v, retrievals = [], [], [], [], []
+    # The layers' layout for q, k and v: [B, H, T, D], heads next to the batch axis as in the
+    # memory and the XL cache (attention is a batch of [T, D] matrices); with the fused local
+    # attention, [B, T, H, D], the layout of the q/k/v matmul and of the fused call (on a GPU
+    # the transposes to and from it cost 6.5 ms of a 74 ms step). bhtd converts both ways.
+    fused = c.attention == "fused"
+    bhtd = (lambda x: jnp.swapaxes(x, 1, 2)) if fused else (lambda x: x)
+    time_axis = 1 if fused else 2
     for i, p in enumerate(params["layers"]):
         h = rms_norm(x, p["attn_norm"])  # [B, T, E]
-        # q, k and v by one matmul over [B * T, E] (and its gradient by one more), then heads
-        # next to the batch axis, as in the memory: attention is a batch of [T, D] matrices.
+        # q, k and v by one matmul over [B * T, E] (and its gradient by one more).
         w_qkv = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)  # [E, 3H, D]
         qkv = (h.reshape(B * T, -1) @ w_qkv.reshape(w_qkv.shape[0], -1)).reshape(B, T, 3, c.num_heads, -1)
-        q, k, v = jnp.transpose(qkv, (2, 0, 3, 1, 4))  # [B, H, T, D] each
-        q, k = l2_normalize(q), l2_normalize(k)
+        q, k, v = (qkv[:, :, j] for j in range(3)) if fused else jnp.transpose(qkv, (2, 0, 3, 1, 4))
+        q, k = l2_normalize(q), l2_normalize(k)  # [B, H, T, D] (fused: [B, T, H, D]) each
         scale = p["qk_scale"]  # [H]
         # Transformer-XL: prepend the previous segment's keys and values; no gradient into them.
         cache_k, cache_v = jax.lax.stop_gradient((state.cache_k[:, i], state.cache_v[:, i]))  # [B, H, C, D]
-        ks = jnp.concatenate([cache_k.astype(dt), k], axis=2)  # [B, H, S, D]
-        vs = jnp.concatenate([cache_v.astype(dt), v], axis=2)  # [B, H, S, D]
-        out = local_attention(q, ks, vs, key_valid, p["rel_bias"], scale, c)  # [B, H, T, D]
+        ks = jnp.concatenate([bhtd(cache_k).astype(dt), k], axis=time_axis)  # [B, H, S, D] (fused: [B, S, H, D])
+        vs = jnp.concatenate([bhtd(cache_v).astype(dt), v], axis=time_axis)
+        if fused:
+            out = fused_local_attention(q, ks, vs, key_valid, p["rel_bias"], scale, c)  # [B, T, H, D]
+        else:
+            out = local_attention(q, ks, vs, key_valid, p["rel_bias"], scale, c)  # [B, H, T, D]
         if i in c.active_memory_layers:
             j = c.active_memory_layers.index(i)
             mem_out, has_memory, slots, weights = knn_attention(
-                q, mem_k[:, j], mem_v[:, j], mem_valid, scale, c)
+                bhtd(q), mem_k[:, j], mem_v[:, j], mem_valid, scale, c)  # [B, H, T, D], [B, H, T], ...
             # Eqs. (1)-(2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g) per head. A query
             # with no valid memory (empty memory) keeps its local result.
-            g = jax.nn.sigmoid(p["gate_bias"])[None, :, None] * has_memory  # [B, H, T]
-            out = (mem_out * g[..., None] + out * (1 - g[..., None])).astype(dt)  # [B, H, T, D]
+            g = bhtd(jax.nn.sigmoid(p["gate_bias"])[None, :, None] * has_memory)[..., None]  # [B, H, T, 1]
+            out = (bhtd(mem_out) * g + out * (1 - g)).astype(dt)  # [B, H, T, D] (fused: [B, T, H, D])
             # This segment's keys and values go to the memory at the next call (commit_memory).
-            pending_k.append(jax.lax.stop_gradient(k))  # [B, H, T, D]
-            pending_v.append(jax.lax.stop_gradient(v))
+            pending_k.append(jax.lax.stop_gradient(bhtd(k)))  # [B, H, T, D]
+            pending_v.append(jax.lax.stop_gradient(bhtd(v)))
             retrievals.append({"slots": slots, "weights": weights})
-        x = x + jnp.einsum("bhtd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
+        x = x + jnp.einsum("bthd,hde->bte" if fused else "bhtd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
         h = rms_norm(x, p["ffn_norm"]).reshape(B * T, -1)  # [B * T, E]
         x = x + (jax.nn.gelu(h @ p["w1"].astype(dt)) @ p["w2"].astype(dt)).reshape(x.shape)  # [B, T, E]
-        new_k.append(jax.lax.stop_gradient(k))
-        new_v.append(jax.lax.stop_gradient(v))
+        new_k.append(jax.lax.stop_gradient(bhtd(k)))  # [B, H, T, D]
+        new_v.append(jax.lax.stop_gradient(bhtd(v)))
 
     logits = jnp.einsum("ne,ev->nv", rms_norm(x, params["final_norm"]).reshape(B * T, -1), params["w_out"].astype(dt),
                         preferred_element_type=jnp.float32, precision=matmul_precision(c)).reshape(B, T, -1)  # [B, T, V]
