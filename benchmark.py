@@ -294,7 +294,8 @@ def benchmark(args):
             print(f"error: the row with memory size {m} failed (exit code {code}): {last}", file=sys.stderr)
             return 130 if code == 130 else 1
         rows.append(json.loads(stdout.strip().splitlines()[-1]))
-        print(f"row {m}: step {rows[-1]['step_s']:.4f} s, compiled in {rows[-1]['compile_s']:.0f} s", file=sys.stderr)
+        print(f"row {m}: step {rows[-1]['step_s']:.4f} s, peak {rows[-1]['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
+              f"{rows[-1]['compile_s']:.0f} s", file=sys.stderr)
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in rows[0]["device"]), None)
     for r in rows:

@@ -570,7 +570,7 @@ def commit_memory(state, reset):
 
     Ethics section: a reset row's memory is cleared physically, zeros and not only invalid
     flags, so that nothing of the finished document stays in the state (nor in a checkpoint
-    of it). That is one pass over the whole memory per step.
+    of it). clear_rows writes the reset rows only, so a step where no row resets pays nothing.
     """
     keep = ~reset.astype(bool)  # [B]
     ok = state.pending_valid & keep[:, None]  # [B, T]
