@@ -521,10 +521,23 @@ def wait_for_line(proc, prefix):
 
 
 def assert_interrupted(proc):
-    assert proc.wait(timeout=120) == 130
+    code = proc.wait(timeout=120)
     err = proc.stderr.read()
-    assert err.count("\n") == 1 and "Traceback" not in err and "interrupted" in err, err
+    assert code == 130 and err.count("\n") == 1 and "Traceback" not in err and "interrupted" in err, (code, err)
     return err
+
+
+def wait_until_jax_loads(proc, timeout=120):
+    """Until the child has mapped jaxlib's library (Linux: /proc/PID/maps), i.e. the script runs
+    and is importing JAX. A signal before the script's first line is Python's own: on a loaded
+    machine its startup (site imports) can take longer than a fixed sleep, and an interrupt
+    there exits 1 with a traceback (seen on a GPU machine under pytest-xdist)."""
+    maps, deadline = f"/proc/{proc.pid}/maps", time.time() + timeout
+    while os.path.exists(maps) and time.time() < deadline and proc.poll() is None:
+        with open(maps) as f:
+            if "jaxlib" in f.read():
+                return
+        time.sleep(0.01)
 
 
 def test_ctrl_c_while_starting_and_during_the_final_evaluation(tmp_path, cache):
@@ -533,6 +546,7 @@ def test_ctrl_c_while_starting_and_during_the_final_evaluation(tmp_path, cache):
     checkpoint kept, and --resume then evaluates it."""
     for delay in (0.2, 2.0):
         proc = launch("train.py", FAST + ["--out", str(tmp_path / f"early{delay}"), "--cache-dir", cache])
+        wait_until_jax_loads(proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         assert_interrupted(proc)
