@@ -147,8 +147,10 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
     return table
 
 
-def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None, attention="explicit"):
-    """One memory size, in this process: returns the row's measurements."""
+def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None, attention="explicit",
+            train_only=False):
+    """One memory size, in this process: returns the row's measurements (with train_only, the
+    train step's alone: no forward pass or gradient, three programs fewer to compile)."""
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
@@ -186,7 +188,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
         top_ops = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")[:15]
     fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
     fwd_times = []
-    for _ in range(steps + 2):
+    for _ in range(0 if train_only else steps + 2):
         t0 = time.perf_counter()
         logits, state = fwd(params, state, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
         jax.block_until_ready(logits)
@@ -194,7 +196,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
     # The gradient against the forward pass it differentiates (forward + loss, same state);
     # in the no-memory row only, where the memory's search (not differentiated) is absent.
     loss_s = grad_s = None
-    if memory_size == 0:
+    if memory_size == 0 and not train_only:
         def loss(p, s):
             logits, _ = mt.forward(p, s, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
             return mt.loss(logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool))
@@ -207,7 +209,8 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
                 times[name].append(time.perf_counter() - t0)
         loss_s, grad_s = (statistics.median(times[name][2:]) for name in timed)
     train_f, fwd_f = train_flops(c, batch, memory_size)
-    return {"memory_size": memory_size, "step_s": step_s, "forward_s": statistics.median(fwd_times[2:]),
+    return {"memory_size": memory_size, "step_s": step_s,
+            "forward_s": statistics.median(fwd_times[2:]) if fwd_times else None,
             "loss_forward_s": loss_s, "grad_s": grad_s, "grad_over_forward": grad_s and grad_s / loss_s,
             "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
             "recall": measure_recall(c, memory_size), "train_flops": train_f, "forward_flops": fwd_f,
@@ -251,6 +254,8 @@ def main(argv=None):
     p.add_argument("--json", help="write the rows to this file as a list of objects")
     p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
                    "that took the most time, and keep the trace, the HLO and the table in DIR")
+    p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
+                   "table (three programs fewer to compile per row, for a short lease on an accelerator)")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
     return train.run_main(p, benchmark, argv)
 
@@ -274,7 +279,7 @@ def benchmark(args):
         train.check_fits(config, batch)
     if args.row is not None:
         print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile,
-                                 args.attention)))
+                                 args.attention, args.train_only)))
         return 0
     if args.json:
         train.check_output_file(args.json, "json")
@@ -288,6 +293,7 @@ def benchmark(args):
                "--steps", str(args.steps), "--dtype", args.dtype, "--attention", args.attention, "--row", str(m)]
         cmd += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
         cmd += ["--profile", args.profile] if args.profile else []
+        cmd += ["--train-only"] if args.train_only else []
         code, stdout, stderr = run_child(cmd)
         if code:  # the child's own last line (its error, or the last line of its traceback)
             last = (stderr.strip().splitlines() or ["no message"])[-1]
@@ -302,7 +308,7 @@ def benchmark(args):
         r["mfu"] = r["train_flops"] / r["step_s"] / peak if peak else None
         r["ratio"] = r["step_s"] / base_row["step_s"]
         r["floor_ratio"] = r["train_flops"] / base_row["train_flops"]
-        r["forward_ratio"] = r["forward_s"] / base_row["forward_s"]
+        r["forward_ratio"] = r["forward_s"] / base_row["forward_s"] if r["forward_s"] and base_row["forward_s"] else None
         r["forward_floor_ratio"] = r["forward_flops"] / base_row["forward_flops"]
         # Peak memory added by the memory, over the memory's own storage (keys and values).
         r["peak_growth"] = ((r["peak_bytes"] - base_row["peak_bytes"]) / r["memory_bytes"]
@@ -322,11 +328,13 @@ def benchmark(args):
               f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['peak_growth']):>7} "
               f"{fmt(r['recall']):>7}" + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else ""))
     print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
-    print("\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it differentiates")
-    print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7} {'fwd+loss s':>11} {'grad s':>9} {'grad/fwd':>9}")
-    for r in rows:
-        print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} {r['forward_floor_ratio']:>7.3f} "
-              f"{fmt4(r['loss_forward_s']):>11} {fmt4(r['grad_s']):>9} {fmt(r['grad_over_forward']):>9}")
+    if not args.train_only:
+        print("\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it differentiates")
+        print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7} {'fwd+loss s':>11} {'grad s':>9} {'grad/fwd':>9}")
+        for r in rows:
+            print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} "
+                  f"{r['forward_floor_ratio']:>7.3f} {fmt4(r['loss_forward_s']):>11} {fmt4(r['grad_s']):>9} "
+                  f"{fmt(r['grad_over_forward']):>9}")
     for r in rows if args.profile else ():
         print(f"\nwhere the step's time goes, memory {r['memory_size']}: ms per step by the JAX operation it came "
               f"from ({args.profile}/profile_M{r['memory_size']}.json has every XLA operation)")

@@ -401,6 +401,17 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
     assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
 
 
+
+def test_benchmark_train_only_times_the_step_and_nothing_else(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "benchmark.py", "--memory-sizes", "512", "--steps", "1", "--train-only",
+                           "--json", str(out)], cwd=HERE, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["step_s"] > 0 and row["peak_bytes"] > 0 and 0.9 <= row["recall"] <= 1.0
+    assert row["forward_s"] is None and row["forward_ratio"] is None and row["grad_s"] is None
+    assert "train step" in proc.stdout and "forward pass" not in proc.stdout
+
 def test_benchmark_rejects_bad_sizes_with_exit_code_2():
     for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"]):
         proc = subprocess.run([sys.executable, "benchmark.py"] + flags, cwd=HERE, capture_output=True, text=True)
