@@ -273,25 +273,27 @@ def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_p
 
 def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(tmp_path, cache):
     out = tmp_path / "smoke"
-    proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic:40", "--steps", "20",
-                           "--out", str(out), "--cache-dir", cache], cwd=HERE, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic:40", "--steps", "10",
+                           "--log-every", "5", "--out", str(out), "--cache-dir", cache], cwd=HERE, capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stderr
     with open(out / "eval.json") as f:
         ev = json.load(f)
-    assert ev["step"] == 20 and ev["tokens"] > 0 and math.isfinite(ev["loss"])
+    assert ev["step"] == 10 and ev["tokens"] > 0 and math.isfinite(ev["loss"])
     assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"]))
     assert "perplexity_memory_off" in ev
     with open(out / "config.json") as f:
         assert json.load(f)["config"]["segment_length"] == mt.PRESETS["tiny"].segment_length
     lines = [json.loads(l) for l in open(out / "metrics.jsonl")]
-    assert [l["step"] for l in lines if "loss" in l] == [10, 20]
+    assert [l["step"] for l in lines if "loss" in l] == [5, 10]
     assert [l for l in lines if "loss" in l][-1]["loss"] < 7.0  # falling from ln(2048) = 7.6 at the start
-    assert "step     20 | loss" in proc.stdout
+    assert "step     10 | loss" in proc.stdout
 
 
 def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cache):
     def loss_on(devices, out):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        env = dict(os.environ, JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
+                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
         proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(out),
                               "--cache-dir", cache], cwd=HERE, capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr
@@ -378,13 +380,13 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
     out = tmp_path / "rows.json"
     # Memory 512 at the preset's batch is the smoke run's config: its compiled step is cached.
     proc = subprocess.run([sys.executable, "benchmark.py", "--memory-sizes", "0,512", "--steps", "1",
-                           "--json", str(out), "--profile", str(tmp_path / "prof")], cwd=HERE, capture_output=True, text=True)
+                           "--json", str(out)], cwd=HERE, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     assert [r["memory_size"] for r in rows] == [0, 512]
     for r in rows:
         assert {"memory_size", "step_s", "ratio", "floor_ratio", "tokens_per_s", "peak_bytes", "recall"} <= set(r)
-        assert r["step_s"] > 0 and r["peak_bytes"] > 0
+        assert r["step_s"] > 0 and r["peak_bytes"] > 0 and r["profile"] is None
     assert rows[0]["ratio"] == 1.0 and rows[0]["floor_ratio"] == 1.0 and rows[0]["recall"] is None
     assert rows[1]["floor_ratio"] > 1.0 and 0.9 <= rows[1]["recall"] <= 1.0
     assert rows[0]["peak_growth"] is None and rows[1]["peak_growth"] is not None
@@ -392,30 +394,33 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
     assert rows[0]["grad_over_forward"] == rows[0]["grad_s"] / rows[0]["loss_forward_s"]
     device = "CPU" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
     assert f"device: {device}" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
-    # --profile: the operations that took the time, each named after the JAX operation it came from.
-    prof = json.loads((tmp_path / "prof" / "profile_M512.json").read_text())
-    # (A GPU's library matmuls carry no JAX operation: they are "library matmul".)
-    assert prof["ms_per_step"] > 0 and prof["ops"] and any("dot_general" in op["source"] or op["source"] == "library matmul"
-                                                           for op in prof["by_source"])
-    assert abs(sum(op["share"] for op in prof["by_source"]) - 1) < 1e-6
-    assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
 
 
-
-def test_benchmark_train_only_times_the_step_and_nothing_else(tmp_path):
+def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_the_ops(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "benchmark.py", "--memory-sizes", "512", "--steps", "1", "--train-only",
-                           "--json", str(out)], cwd=HERE, capture_output=True, text=True)
+                           "--json", str(out), "--profile", str(tmp_path / "prof")], cwd=HERE, capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())
     assert row["step_s"] > 0 and row["peak_bytes"] > 0 and 0.9 <= row["recall"] <= 1.0
     assert row["forward_s"] is None and row["forward_ratio"] is None and row["grad_s"] is None
     assert "train step" in proc.stdout and "forward pass" not in proc.stdout
+    # --profile: the operations that took the time, each named after the JAX operation it came from.
+    prof = json.loads((tmp_path / "prof" / "profile_M512.json").read_text())
+    # (A GPU's library matmuls carry no JAX operation: they are "library matmul".)
+    assert prof["ms_per_step"] > 0 and prof["ops"] and any("dot_general" in op["source"] or op["source"] == "library matmul"
+                                                           for op in prof["by_source"])
+    assert abs(sum(op["share"] for op in prof["by_source"]) - 1) < 1e-6 and row["profile"]
+    assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
 
-def test_benchmark_rejects_bad_sizes_with_exit_code_2():
+
+def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
+    import benchmark
     for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"]):
-        proc = subprocess.run([sys.executable, "benchmark.py"] + flags, cwd=HERE, capture_output=True, text=True)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (flags, proc.stderr)
+        code = benchmark.main(flags)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (flags, err)
 
 
 # ----------------------------------------------------------------------------- interruptions
