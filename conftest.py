@@ -15,12 +15,12 @@
    every session, so timings always include one cold compile.
 4. The host-memory setting the scripts make (train.keep_freed_host_memory), for in-process runs.
 5. Compiling for the CPU at LLVM's lowest optimization level. The suite is mostly compiling,
-   and this halves the compiling (a toy train step: 1.0 s instead of 2.0). The program the
-   tests run is the same: every XLA pass still runs, and the optimized HLO of a train step is
-   identical line for line. Only each kernel's machine code is less optimized: it runs
-   slower, and its float32 rounding may differ in the last bits (that step's loss: 4.7737689
-   against 4.7737684), as between any two backends, which no test depends on. Left at the
-   default where an NVIDIA GPU is present (unmeasured there).
+   and this halves the compiling (a toy model's gradient: 1.0 s instead of 2.0). The program
+   the tests run is the same: every XLA pass still runs, and the optimized HLO of a train
+   step is identical line for line. Only each kernel's machine code is less optimized: it
+   runs slower, and its float32 rounding may differ in the last bits (that step's loss:
+   4.7737689 against 4.7737684), as between any two backends, which no test depends on.
+   Left at the default where an NVIDIA GPU is present (unmeasured there).
 """
 import os
 import tempfile
