@@ -133,10 +133,10 @@ print(json.dumps(faults))
 def test_a_steps_freed_host_memory_is_reused_not_faulted_in_anew():
     """keep_freed_host_memory (made by every script, and by conftest for this session): a jitted
     call's 64 MB of temporaries come from memory the process already holds, so once warm a call
-    page-faults almost nothing. In a fresh process, as a script's: glibc limits malloc to one
-    arena only for threads that have none yet, and a test runner may have started some (an
-    xdist worker has). On the CPU backend, whatever the default one: a GPU's temporaries are
-    device memory."""
+    page-faults almost nothing. In a fresh process, as a script's: in a pytest-xdist worker's
+    process the setting did not take (likely because its threads, and so glibc arenas, exist
+    before conftest limits malloc to one arena). On the CPU backend, whatever the default one:
+    a GPU's temporaries are device memory."""
     # (compiled at XLA's default optimization level, as a script's, not conftest's lowest: the
     # setting is about malloc, and the default level's tanh runs 40 calls in a fraction of the time)
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
