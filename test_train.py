@@ -62,6 +62,7 @@ def test_adafactor_matches_its_definition_computed_by_hand(beta1):
              for s in (1.0, 0.01, 3.0)]  # 3.0 makes update clipping matter
     lr = lambda t: 0.1 / t
     init, update = train.adafactor(lr, beta1=beta1)
+    update = jax.jit(update)  # one program, as in a train step
     p, state = jax.tree.map(jnp.asarray, params), None
     state = init(p)
     for g in grads:
@@ -101,7 +102,7 @@ def test_the_t5_bias_tables_take_the_plain_step():
     init, update = train.make_optimizer(c)
     rng = np.random.default_rng(1)
     grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
-    u, _ = update(grads, init(params), params)
+    u, _ = jax.jit(update)(grads, init(params), params)  # one program, as in a train step
     lr = lambda t: float(train.learning_rate(t, c.lr, c.warmup_steps))
     for i in range(c.num_layers):
         x, g = np.asarray(params["layers"][i]["rel_bias"]), np.asarray(grads["layers"][i]["rel_bias"])
