@@ -406,11 +406,15 @@ def _largest_divisor_at_most(n, cap):
 
 
 def bin_max(scores, bin_size):
-    """Each contiguous bin's best entry: scores [..., N] -> values, indices [..., N / bin_size].
+    """Each bin's best entry: scores [..., N] -> values, indices [..., N / bin_size].
 
+    The bins interleave: with G = N / bin_size bins, bin j holds the entries j, j + G,
+    j + 2G, ... (entry i is in bin i mod G), so the max is over the second-to-last axis of
+    [..., bin_size, G], a max of whole vectors, and entries next to each other (neighbouring
+    tokens, whose keys resemble each other) fall in different bins.
     One fused max, no argmax pass: a float's bits, read as an int32 with the negative ones
     negated (sign bit cleared), sort like the float; the low log2(bin_size) bits are replaced
-    by the entry's position in its bin, so the max carries its own index. Float32 values lose those low
+    by the entry's row in its bin, so the max carries its own index. Float32 values lose those low
     mantissa bits (bin_size 128: 7 of 23 bits; ranking is unchanged beyond ~1e-5 relative);
     bfloat16 scores lose nothing, as their low 16 bits are 0 once widened to float32.
     bin_size must be a power of two; 1 gives the scores back exactly.
@@ -419,17 +423,18 @@ def bin_max(scores, bin_size):
     low = bin_size - 1
     bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
     key = jnp.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # monotone in the float value
-    key = key.reshape(scores.shape[:-1] + (-1, bin_size))  # [..., N / bin, bin]
-    key = (key & ~low) | jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
-    best = jnp.max(key, axis=-1)  # [..., N / bin]
+    key = key.reshape(scores.shape[:-1] + (bin_size, -1))  # [..., bin, G]: entry r * G + j
+    key = (key & ~low) | jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 2)
+    best = jnp.max(key, axis=-2)  # [..., G]
     value = best & ~low
     value = jax.lax.bitcast_convert_type(jnp.where(value < 0, -value | jnp.iinfo(jnp.int32).min, value), jnp.float32)
-    start = bin_size * jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1)
-    return value, start + (best & low)
+    G = best.shape[-1]
+    return value, (best & low) * G + jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1)
 
 
 def approx_top_k(scores, k, num_bins):
-    """Sec. 3.3: the exact top-k of the num_bins bin winners. num_bins == N gives exact top-k."""
+    """Sec. 3.3: the exact top-k of the winners of num_bins interleaved bins (entry i in bin
+    i mod num_bins). num_bins == N gives exact top-k."""
     vals, idx = bin_max(scores, scores.shape[-1] // num_bins)  # [..., L]
     top, pos = jax.lax.top_k(vals, k)  # [..., K]
     return top, jnp.take_along_axis(idx, pos, axis=-1)
@@ -440,8 +445,10 @@ def memory_search(q, mem_k, mem_valid, scale, config):
 
     q: [B, H, T, D]; mem_k: [B, H, M, D]; mem_valid: [B, M] -> scores, slots: [B, H, T, K].
     The memory is scanned in chunks; each chunk yields candidates (its exact top-k, or its
-    bins' winners), and the exact top-k of all candidates is the answer. Invalid slots score
-    NEG_INF. Not differentiable: retrieval only picks slots.
+    bins' winners), and the exact top-k of all candidates is the answer. A chunk's G bins
+    interleave (bin_max): slots written one after the other, whose keys resemble each other,
+    never share a bin. Invalid slots score NEG_INF. Not differentiable: retrieval only picks
+    slots.
     """
     B, H, M, D = mem_k.shape
     K = config.num_neighbors

@@ -340,6 +340,37 @@ def test_approx_top_k_with_one_bin_per_entry_equals_exact_top_k(seed):
     np.testing.assert_array_equal(idx, ei)
 
 
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]))
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill):
+    """Chunk c of the memory holds slots c * chunk + i; its bin j holds the i with i mod G == j
+    (G = chunk / bin size). The answer is the exact top-k of all bins' best valid slots."""
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(memory_size=1024, memory_chunk=128)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 1024, cfg.num_neighbors
+    assert mt.num_topk_bins(K, M, cfg.topk_recall_target) == 128  # 8 chunks of 128: bins of 8, G = 16
+    chunk, size, G = 128, 8, 16
+    bin_of = lambda slot: (slot // chunk) * G + (slot % chunk) % G
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, fill, replace=False)] = True
+    scores, slots = jax.jit(mt.memory_search, static_argnums=4)(heads_first(q), mk, valid, jnp.ones(H), cfg)
+    scores, slots = np.asarray(scores), np.asarray(slots)
+    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
+    best = np.full((B, H, T, M // size), -np.inf)
+    for slot in range(M):  # the bins' maxima, one slot at a time
+        best[..., bin_of(slot)] = np.maximum(best[..., bin_of(slot)], s[..., slot])
+    want = np.sort(best, axis=-1)[..., ::-1][..., :K]
+    found = min([K] + [len(set(bin_of(np.flatnonzero(v)))) for v in valid])  # bins holding a valid slot
+    np.testing.assert_allclose(scores[..., :found], want[..., :found], rtol=1e-5, atol=1e-5)
+    got = slots[..., :found]
+    np.testing.assert_allclose(np.take_along_axis(s, got, -1), want[..., :found], rtol=1e-5, atol=1e-5)
+    bins = bin_of(got)
+    assert all(len(set(b)) == found for b in bins.reshape(-1, found).tolist())  # one slot per bin
+    np.testing.assert_allclose(np.take_along_axis(best, bins, -1), want[..., :found], rtol=1e-5, atol=1e-5)
+
+
 def recall(slots, exact_slots):
     hits = [len(set(a) & set(b)) for a, b in zip(slots.reshape(-1, slots.shape[-1]).tolist(),
                                                  exact_slots.reshape(-1, slots.shape[-1]).tolist())]
@@ -366,10 +397,12 @@ def test_bin_max_of_bfloat16_scores_is_exact(bin_size):
     """bfloat16 scores widened to float32 have 16 zero low bits: the index costs no precision."""
     x = jnp.asarray(np.random.default_rng(bin_size).standard_normal((3, 2 * 2 ** 12)), jnp.bfloat16)
     vals, idx = mt.bin_max(x, bin_size)
-    bins = np.asarray(x, np.float32).reshape(3, -1, bin_size)
-    np.testing.assert_array_equal(vals, bins.max(-1))
-    np.testing.assert_array_equal(np.take_along_axis(bins, np.asarray(idx % bin_size)[..., None], -1)[..., 0],
-                                  bins.max(-1))
+    x32 = np.asarray(x, np.float32)
+    G = x32.shape[-1] // bin_size
+    want = np.stack([x32[:, j::G].max(-1) for j in range(G)], axis=-1)  # bin j: entries j, j + G, ...
+    np.testing.assert_array_equal(vals, want)
+    np.testing.assert_array_equal(np.asarray(idx) % G, np.arange(G) + np.zeros_like(idx))  # each in its bin
+    np.testing.assert_array_equal(np.take_along_axis(x32, np.asarray(idx), -1), want)  # and holding its max
 
 
 def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095():
