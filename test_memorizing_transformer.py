@@ -343,14 +343,13 @@ def test_approx_top_k_with_one_bin_per_entry_equals_exact_top_k(seed):
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]))
 def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill):
-    """Chunk c of the memory holds slots c * chunk + i; its bin j holds the i with i mod G == j
-    (G = chunk / bin size). The answer is the exact top-k of all bins' best valid slots."""
+    """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots."""
     rng = np.random.default_rng(seed)
-    cfg = SMALL.replace(memory_size=1024, memory_chunk=128)
+    cfg = SMALL.replace(memory_size=1024, memory_chunk=128)  # 8 chunks of 128
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 1024, cfg.num_neighbors
-    assert mt.num_topk_bins(K, M, cfg.topk_recall_target) == 128  # 8 chunks of 128: bins of 8, G = 16
-    chunk, size, G = 128, 8, 16
-    bin_of = lambda slot: (slot // chunk) * G + (slot % chunk) % G
+    L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
+    assert L == 128  # bins of 8 slots, 16 in each chunk
+    size, bin_of = M // L, lambda slot: slot % L
     q = rng.standard_normal((B, T, H, D)).astype(np.float32)
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
