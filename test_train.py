@@ -133,8 +133,8 @@ print(json.dumps(faults))
 
 def test_a_steps_freed_host_memory_is_reused_not_faulted_in_anew():
     """keep_freed_host_memory (made by every script, and by conftest for this session): a jitted
-    call's 64 MB of temporaries come from memory the process already holds, so once warm a call
-    page-faults almost nothing. In a fresh process, as a script's: in a pytest-xdist worker's
+    call's 64 MB of temporaries come from memory the process already holds, so once warm most
+    calls page-fault almost nothing. In a fresh process, as a script's: in a pytest-xdist worker's
     process the setting did not take (likely because its threads, and so glibc arenas, exist
     before conftest limits malloc to one arena). On the CPU backend, whatever the default one:
     a GPU's temporaries are device memory."""
@@ -147,10 +147,12 @@ def test_a_steps_freed_host_memory_is_reused_not_faulted_in_anew():
     if proc.stdout.strip() == "unsupported":
         pytest.skip("the setting exists on Linux with glibc only")
     faults = json.loads(proc.stdout)
-    # Without the setting, every call faults in its 16,384 pages. With it, the heap grows for
-    # the first calls (in runs here, faults came in up to the 17th: glibc carves small blocks
-    # out of a freed one) and then serves every call from what it holds.
-    assert sum(faults) < 20 * 16384 and max(faults[-5:]) < 1000, faults
+    # Without the setting, every call faults in its 16,384 pages (655,440 in all). With it, the
+    # heap grows for the first calls, as glibc carves small blocks out of a freed one, and then
+    # serves most calls from what it holds. Now and then it grows again, late too (in 2 of 12
+    # runs here on 2026-11-27, a call among the last 5 faulted its block in; at most 12 of 40
+    # calls faulted, 196,590 pages), so: most calls fault nothing, and the total stays under half.
+    assert sum(faults) < 20 * 16384 and sum(f < 1000 for f in faults) >= 20, faults
 
 
 def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
