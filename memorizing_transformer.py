@@ -469,7 +469,7 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     # and iota) out of it, to be read back by every chunk: 4x the scores' own traffic.
     qs = jax.lax.stop_gradient(q * scale.astype(q.dtype)[None, :, None, None])  # [B, H, T, D]
     # Runs of up to 8 slots: single slots n apart made the 65K step of `tiny` about 40% slower
-    # on a CPU (every slot a cache line and a page of its own); runs of 8, 10-20%.
+    # on a CPU (each slot read alone: a cache line and likely a page of its own); runs of 8, 10-20%.
     run = _largest_divisor_at_most(chunk // bin_size if bin_size else chunk, 8)
     mem_k = mem_k.reshape(B, H, chunk // run, n_chunks, run, D)  # slot (i * n + c) * run + j
     mem_valid = mem_valid.reshape(B, chunk // run, n_chunks, run)
