@@ -405,31 +405,44 @@ def _largest_divisor_at_most(n, cap):
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
+def _pack(scores, row, bits):
+    """Scores as int32 keys that sort like them, their low `bits` bits replaced by `row`.
+
+    A float's bits, read as an int32 with the negative ones negated (sign bit cleared), sort
+    like the float. So one integer max finds a bin's best entry and carries its row: no
+    argmax pass. Float32 values lose `bits` low mantissa bits (7 of 23 for 128 rows; ranking
+    is unchanged beyond ~1e-5 relative); bfloat16 scores lose nothing, as their low 16 bits
+    are 0 once widened to float32.
+    """
+    bits_ = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    key = jnp.where(bits_ < 0, -(bits_ & 0x7FFFFFFF), bits_)  # monotone in the float value
+    low = (1 << bits) - 1
+    return (key & ~low) | row
+
+
+def _unpack(key, bits):
+    """_pack's inverse: keys -> (the scores, truncated), rows."""
+    low = (1 << bits) - 1
+    value = key & ~low
+    value = jnp.where(value < 0, -value | jnp.iinfo(jnp.int32).min, value)
+    return jax.lax.bitcast_convert_type(value, jnp.float32), key & low
+
+
 def bin_max(scores, bin_size):
     """Each bin's best entry: scores [..., N] -> values, indices [..., N / bin_size].
 
     The bins interleave: with G = N / bin_size bins, bin j holds the entries j, j + G,
-    j + 2G, ... (entry i is in bin i mod G), so the max is over the second-to-last axis of
-    [..., bin_size, G], a max of whole vectors, and entries next to each other (neighbouring
-    tokens, whose keys resemble each other) fall in different bins.
-    One fused max, no argmax pass: a float's bits, read as an int32 with the negative ones
-    negated (sign bit cleared), sort like the float; the low log2(bin_size) bits are replaced
-    by the entry's row in its bin, so the max carries its own index. Float32 values lose those low
-    mantissa bits (bin_size 128: 7 of 23 bits; ranking is unchanged beyond ~1e-5 relative);
-    bfloat16 scores lose nothing, as their low 16 bits are 0 once widened to float32.
-    bin_size must be a power of two; 1 gives the scores back exactly.
+    j + 2G, ... (entry i is in bin i mod G, row i // G), so the max is over the second-to-
+    last axis of [..., bin_size, G], a max of whole vectors, and entries next to each other
+    (neighbouring tokens, whose keys resemble each other) fall in different bins. One fused
+    integer max (_pack). bin_size must be a power of two; 1 gives the scores back exactly.
     """
     assert bin_size & (bin_size - 1) == 0, f"bin_size {bin_size} is not a power of two"
-    low = bin_size - 1
-    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-    key = jnp.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # monotone in the float value
-    key = key.reshape(scores.shape[:-1] + (bin_size, -1))  # [..., bin, G]: entry r * G + j
-    key = (key & ~low) | jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 2)
-    best = jnp.max(key, axis=-2)  # [..., G]
-    value = best & ~low
-    value = jax.lax.bitcast_convert_type(jnp.where(value < 0, -value | jnp.iinfo(jnp.int32).min, value), jnp.float32)
-    G = best.shape[-1]
-    return value, (best & low) * G + jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1)
+    bits = bin_size.bit_length() - 1
+    G = scores.shape[-1] // bin_size
+    s = scores.reshape(scores.shape[:-1] + (bin_size, G))  # [..., row, G]: entry row * G + j
+    value, row = _unpack(jnp.max(_pack(s, jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 2), bits), axis=-2), bits)
+    return value, row * G + jax.lax.broadcasted_iota(jnp.int32, value.shape, value.ndim - 1)
 
 
 def approx_top_k(scores, k, num_bins):
@@ -444,57 +457,70 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     """Top-k memory slots for every query, without ever building the [B, H, T, M] scores.
 
     q: [B, H, T, D]; mem_k: [B, H, M, D]; mem_valid: [B, M] -> scores, slots: [B, H, T, K].
-    The memory is scanned in n interleaved chunks: cut into runs of a few consecutive slots,
-    chunk c holds the runs c, c + n, c + 2n, ... Each chunk yields candidates (its exact
-    top-k, or its bins' winners), and the exact top-k of all candidates is the answer. As
-    bin_max's bins interleave too (and a run divides a chunk's bin count), slot s lands in
-    bin s mod L (L = M / bin size): slots written one after the other, whose keys resemble
-    each other, never share a bin, and a memory holding n valid slots fills min(n, L) bins.
-    Invalid slots score NEG_INF. Not differentiable: retrieval only picks slots.
+    The memory is scored a piece of at most config.memory_chunk slots at a time. Exact
+    (config.exact_topk): each contiguous piece's top-k are candidates, and the top-k of all
+    candidates is the answer. Binned (Sec. 3.3): slot s is in bin s mod L (row s // L), as
+    in bin_max, so slots written one after the other, whose keys resemble each other, never
+    share a bin, and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L],
+    the memory is scored in pieces of W whole bins (R = all rows, where they fit): W runs of
+    consecutive slots, one from each row. Each bin's best packed key (_pack: score and row in
+    one int32) goes into a [B, H, T, L] array of the bins' winners, W bins at a time, and the
+    answer is their top-k. Invalid slots score NEG_INF. Not differentiable: retrieval only
+    picks slots.
     """
     B, H, M, D = mem_k.shape
-    K = config.num_neighbors
-    chunk = config.segment_length * _largest_divisor_at_most(
-        M // config.segment_length, max(1, config.memory_chunk // config.segment_length))
-    n_chunks = M // chunk
-    if config.exact_topk:
-        bin_size = None
-    else:  # the largest power-of-two bin that leaves at least num_topk_bins bins
-        bins = num_topk_bins(K, M, config.topk_recall_target)
-        bin_size = 1
-        while chunk % (2 * bin_size) == 0 and 2 * bin_size <= M // bins:
-            bin_size *= 2
+    T, K = q.shape[2], config.num_neighbors
     # The scale inside the stop_gradient too: were the scores differentiable, JAX would
-    # linearize the chunk loop and hoist its loop-invariant parts (a [B, H, T, chunk] fill
-    # and iota) out of it, to be read back by every chunk: 4x the scores' own traffic.
+    # linearize the loop and hoist its loop-invariant parts (a [B, H, T, piece] fill and
+    # iota) out of it, to be read back by every piece: 4x the scores' own traffic.
     qs = jax.lax.stop_gradient(q * scale.astype(q.dtype)[None, :, None, None])  # [B, H, T, D]
-    # Runs of up to 8 slots: single slots n apart made the 65K step of `tiny` about 40% slower
-    # on a CPU (each slot read alone: a cache line and likely a page of its own); runs of 8, 10-20%.
-    run = _largest_divisor_at_most(chunk // bin_size if bin_size else chunk, 8)
-    mem_k = mem_k.reshape(B, H, chunk // run, n_chunks, run, D)  # slot (i * n + c) * run + j
-    mem_valid = mem_valid.reshape(B, chunk // run, n_chunks, run)
-    slot = lambda p, c: ((p // run) * n_chunks + c) * run + p % run  # chunk c's entry p
 
-    def candidates(_, c):
-        # One chunk of the memory at a time (a copy of it feeds the matmul), never all of it.
-        kc = jax.lax.dynamic_index_in_dim(mem_k, c, axis=3, keepdims=False).reshape(B, H, chunk, D)
-        vc = jax.lax.dynamic_index_in_dim(mem_valid, c, axis=2, keepdims=False).reshape(B, chunk)
+    def score(keys, valid):  # keys [B, H, *piece, D], valid [B, *piece] -> [B, H, T, *piece]
         # The scores are the largest tensor of a step (T per slot): they stay in the queries'
         # dtype, so bfloat16 halves their traffic. Accumulation is float32 either way.
-        s = jnp.einsum("bhtd,bhmd->bhtm", qs, kc.astype(qs.dtype),
-                       preferred_element_type=qs.dtype)  # [B, H, T, chunk]
-        s = jnp.where(vc[:, None, None, :], s, NEG_INF)  # [B, H, T, chunk]
-        if bin_size is None:
-            vals, idx = jax.lax.top_k(s, min(K, chunk))  # [B, H, T, K]
-        else:
-            vals, idx = bin_max(s, bin_size)  # [B, H, T, chunk / bin]
-        return None, (vals, slot(idx, c))
+        s = jnp.einsum("bhtd,bh...d->bht...", qs, keys.astype(qs.dtype), preferred_element_type=qs.dtype)
+        return jnp.where(valid[:, None, None], s, NEG_INF)
 
-    _, (vals, idx) = jax.lax.scan(candidates, None, jnp.arange(n_chunks))  # [n, B, H, T, w]
-    vals = jnp.moveaxis(vals, 0, 3).reshape(B, H, q.shape[2], -1)  # [B, H, T, n * w]
-    idx = jnp.moveaxis(idx, 0, 3).reshape(B, H, q.shape[2], -1)  # [B, H, T, n * w]
+    if config.exact_topk:
+        size = _largest_divisor_at_most(M, config.memory_chunk)
+        def candidates(_, c):
+            s = score(jax.lax.dynamic_slice_in_dim(mem_k, c * size, size, axis=2),
+                      jax.lax.dynamic_slice_in_dim(mem_valid, c * size, size, axis=1))  # [B, H, T, size]
+            vals, idx = jax.lax.top_k(s, min(K, size))  # [B, H, T, K]
+            return None, (vals, idx + c * size)
+        _, (vals, idx) = jax.lax.scan(candidates, None, jnp.arange(M // size))  # [n, B, H, T, K]
+        vals = jnp.moveaxis(vals, 0, 3).reshape(B, H, T, -1)  # [B, H, T, n * K]
+        idx = jnp.moveaxis(idx, 0, 3).reshape(B, H, T, -1)  # [B, H, T, n * K]
+        top, pos = jax.lax.top_k(vals, K)  # [B, H, T, K]
+        return top, jnp.take_along_axis(idx, pos, axis=-1)
+
+    # Bins of `rows` slots: the largest power of two that leaves at least num_topk_bins.
+    bins, rows = num_topk_bins(K, M, config.topk_recall_target), 1
+    while M % (2 * rows) == 0 and 2 * rows <= M // bins:
+        rows *= 2
+    L, bits = M // rows, rows.bit_length() - 1  # slot s = row * L + bin
+    # Whole bins per piece: a bin's best is final after one piece, and the winners' array is
+    # read and written W bins at a time. Pieces of whole rows instead (contiguous reads, but
+    # all L winners read and written by every piece) were no faster on a CPU; on a GPU at
+    # the paper's 65K (two rows a piece) they would read and write 8 bytes a bin where the
+    # piece's bf16 scores are 4 (an estimate, not measured).
+    R = _largest_divisor_at_most(rows, config.memory_chunk)
+    W = _largest_divisor_at_most(L, config.memory_chunk // R)
+    keys, valid = mem_k.reshape(B, H, rows, L, D), mem_valid.reshape(B, rows, L)
+
+    def best_so_far(best, c):  # best: [B, H, T, L] each bin's best packed key so far
+        r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
+        s = score(jax.lax.dynamic_slice(keys, (0, 0, r, w, 0), (B, H, R, W, D)),
+                  jax.lax.dynamic_slice(valid, (0, r, w), (B, R, W)))  # [B, H, T, R, W]
+        new = jnp.max(_pack(s, r + jax.lax.broadcasted_iota(jnp.int32, s.shape, 3), bits), axis=3)
+        old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=3)  # [B, H, T, W]
+        return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=3), None
+
+    start = jnp.full((B, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
+    best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
+    vals, row = _unpack(best, bits)  # [B, H, T, L]
     top, pos = jax.lax.top_k(vals, K)  # [B, H, T, K]
-    return top, jnp.take_along_axis(idx, pos, axis=-1)
+    return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
 
 
 def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, products):

@@ -341,14 +341,16 @@ def test_approx_top_k_with_one_bin_per_entry_equals_exact_top_k(seed):
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]))
-def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill):
-    """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots."""
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]),
+       chunk=st.sampled_from([4, 32, 512]))
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk):
+    """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots.
+    The memory is scored in pieces of half a bin (4 of its 8 slots), 4 whole bins or 64."""
     rng = np.random.default_rng(seed)
-    cfg = SMALL.replace(memory_size=1024, memory_chunk=128)  # 8 chunks of 128
+    cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 1024, cfg.num_neighbors
     L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
-    assert L == 128  # bins of 8 slots, 16 in each chunk
+    assert L == 128  # bins of 8 slots
     size, bin_of = M // L, lambda slot: slot % L
     q = rng.standard_normal((B, T, H, D)).astype(np.float32)
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
