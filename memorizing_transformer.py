@@ -453,7 +453,7 @@ def approx_top_k(scores, k, num_bins):
     return top, jnp.take_along_axis(idx, pos, axis=-1)
 
 
-def memory_search(q, mem_k, mem_valid, scale, config):
+def memory_search(q, mem_k, mem_valid, scale, config, wide=None):
     """Top-k memory slots for every query, without ever building the [B, H, T, M] scores.
 
     q: [B, H, T, D]; mem_k: [B, H, M, D]; mem_valid: [B, M] -> scores, slots: [B, H, T, K].
@@ -462,11 +462,19 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     candidates is the answer. Binned (Sec. 3.3): slot s is in bin s mod L (row s // L), as
     in bin_max, so slots written one after the other, whose keys resemble each other, never
     share a bin, and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L],
-    the memory is scored in pieces of W whole bins (R = all rows, where they fit): W runs of
-    consecutive slots, one from each row. Each bin's best packed key (_pack: score and row in
-    one int32) goes into a [B, H, T, L] array of the bins' winners, W bins at a time, and the
-    answer is their top-k. Invalid slots score NEG_INF. Not differentiable: retrieval only
-    picks slots.
+    the memory is scored in pieces of R rows by W bins; each bin's best packed key (_pack:
+    score and row in one int32) so far is kept in a [B, H, T, L] array, and the answer is
+    the top-k of those L winners. Invalid slots score NEG_INF. Not differentiable:
+    retrieval only picks slots.
+
+    wide: the pieces' shape, which decides the speed only (the tests hold both equal).
+    True: whole rows (W = L, a few rows a piece), contiguous reads, and every piece reads
+    and writes all L winners. False: whole bins (R = all rows, W bins a piece), W consecutive
+    slots read from each row, and each bin's winner is final after one piece. None: True on
+    a CPU, where the search alone at `tiny`'s 65K took about 0.8x the time of whole bins
+    (XLA splits their reduction over 128 rows in two and stores the packed scores between);
+    False elsewhere, where the winners would travel through a GPU's memory with every piece
+    (8 bytes a bin, against 4 for the piece's bf16 scores at the paper's 65K: an estimate).
     """
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
@@ -499,13 +507,14 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     while M % (2 * rows) == 0 and 2 * rows <= M // bins:
         rows *= 2
     L, bits = M // rows, rows.bit_length() - 1  # slot s = row * L + bin
-    # Whole bins per piece: a bin's best is final after one piece, and the winners' array is
-    # read and written W bins at a time. Pieces of whole rows instead (contiguous reads, but
-    # all L winners read and written by every piece) were no faster on a CPU; on a GPU at
-    # the paper's 65K (two rows a piece) they would read and write 8 bytes a bin where the
-    # piece's bf16 scores are 4 (an estimate, not measured).
-    R = _largest_divisor_at_most(rows, config.memory_chunk)
-    W = _largest_divisor_at_most(L, config.memory_chunk // R)
+    if wide is None:
+        wide = jax.default_backend() == "cpu"
+    if wide:  # where a row is longer than a piece, a piece is part of one row
+        W = _largest_divisor_at_most(L, config.memory_chunk)
+        R = _largest_divisor_at_most(rows, config.memory_chunk // W)
+    else:  # where a bin is taller than a piece, a piece is part of one bin
+        R = _largest_divisor_at_most(rows, config.memory_chunk)
+        W = _largest_divisor_at_most(L, config.memory_chunk // R)
     keys, valid = mem_k.reshape(B, H, rows, L, D), mem_valid.reshape(B, rows, L)
 
     def best_so_far(best, c):  # best: [B, H, T, L] each bin's best packed key so far

@@ -342,10 +342,11 @@ def test_approx_top_k_with_one_bin_per_entry_equals_exact_top_k(seed):
 
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]),
-       chunk=st.sampled_from([4, 32, 512]))
-def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk):
+       chunk=st.sampled_from([4, 32, 512]), wide=st.booleans())
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, wide):
     """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots.
-    The memory is scored in pieces of half a bin (4 of its 8 slots), 4 whole bins or 64."""
+    The memory, 8 rows of L = 128 slots, is scored in pieces of 4, 32 or 512 slots: wide
+    ones 4 or 32 slots of one row or 4 whole rows, tall ones half a bin, 4 or 64 whole bins."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 1024, cfg.num_neighbors
@@ -356,7 +357,7 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=4)(heads_first(q), mk, valid, jnp.ones(H), cfg)
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5))(heads_first(q), mk, valid, jnp.ones(H), cfg, wide)
     scores, slots = np.asarray(scores), np.asarray(slots)
     s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
     best = np.full((B, H, T, M // size), -np.inf)
