@@ -414,8 +414,8 @@ def _pack(scores, row, bits):
     is unchanged beyond ~1e-5 relative); bfloat16 scores lose nothing, as their low 16 bits
     are 0 once widened to float32.
     """
-    bits_ = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-    key = jnp.where(bits_ < 0, -(bits_ & 0x7FFFFFFF), bits_)  # monotone in the float value
+    raw = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    key = jnp.where(raw < 0, -(raw & 0x7FFFFFFF), raw)  # monotone in the float value
     low = (1 << bits) - 1
     return (key & ~low) | row
 
