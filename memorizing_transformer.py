@@ -428,40 +428,14 @@ def _unpack(key, bits):
     return jax.lax.bitcast_convert_type(value, jnp.float32), key & low
 
 
-def bin_max(scores, bin_size):
-    """Each bin's best entry: scores [..., N] -> values, indices [..., N / bin_size].
-
-    The bins interleave: with G = N / bin_size bins, bin j holds the entries j, j + G,
-    j + 2G, ... (entry i is in bin i mod G, row i // G), so the max is over the second-to-
-    last axis of [..., bin_size, G], a max of whole vectors, and entries next to each other
-    (neighbouring tokens, whose keys resemble each other) fall in different bins. One fused
-    integer max (_pack). bin_size must be a power of two; 1 gives the scores back exactly.
-    """
-    assert bin_size & (bin_size - 1) == 0, f"bin_size {bin_size} is not a power of two"
-    bits = bin_size.bit_length() - 1
-    G = scores.shape[-1] // bin_size
-    s = scores.reshape(scores.shape[:-1] + (bin_size, G))  # [..., row, G]: entry row * G + j
-    value, row = _unpack(jnp.max(_pack(s, jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 2), bits), axis=-2), bits)
-    return value, row * G + jax.lax.broadcasted_iota(jnp.int32, value.shape, value.ndim - 1)
-
-
-def approx_top_k(scores, k, num_bins):
-    """Sec. 3.3: the exact top-k of the winners of num_bins interleaved bins (entry i in bin
-    i mod num_bins). num_bins == N gives exact top-k."""
-    vals, idx = bin_max(scores, scores.shape[-1] // num_bins)  # [..., L]
-    top, pos = jax.lax.top_k(vals, k)  # [..., K]
-    return top, jnp.take_along_axis(idx, pos, axis=-1)
-
-
 def memory_search(q, mem_k, mem_valid, scale, config, wide=None):
     """Top-k memory slots for every query, without ever building the [B, H, T, M] scores.
 
     q: [B, H, T, D]; mem_k: [B, H, M, D]; mem_valid: [B, M] -> scores, slots: [B, H, T, K].
     The memory is scored a piece of at most config.memory_chunk slots at a time. Exact
     (config.exact_topk): each contiguous piece's top-k are candidates, and the top-k of all
-    candidates is the answer. Binned (Sec. 3.3): slot s is in bin s mod L (row s // L), as
-    in bin_max, so slots written one after the other, whose keys resemble each other, never
-    share a bin, and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L],
+    candidates is the answer. Binned (Sec. 3.3): slot s is in bin s mod L (row s // L), so
+    slots written one after the other, whose keys resemble each other, never share a bin, and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L],
     the memory is scored in pieces of R rows by W bins; each bin's best packed key (_pack:
     score and row in one int32) so far is kept in a [B, H, T, L] array, and the answer is
     the top-k of those L winners. Invalid slots score NEG_INF. Not differentiable:

@@ -331,13 +331,22 @@ def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
 
 # ----------------------------------------------------------------------------- approximate top-k
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16))
-def test_approx_top_k_with_one_bin_per_entry_equals_exact_top_k(seed):
-    x = np.random.default_rng(seed).standard_normal((3, 5, 256)).astype(np.float32)
-    vals, idx = mt.approx_top_k(x, 16, num_bins=256)
-    ev, ei = jax.lax.top_k(x, 16)
-    np.testing.assert_array_equal(vals, ev)
-    np.testing.assert_array_equal(idx, ei)
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), wide=st.booleans())
+def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, wide):
+    """M = 64 <= num_topk_bins: every slot is a bin of its own, and no score loses a bit."""
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(memory_size=64, memory_chunk=16)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
+    assert mt.num_topk_bins(K, M, cfg.topk_recall_target) == M
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, fill, replace=False)] = True
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5))(heads_first(q), mk, valid, jnp.ones(H), cfg, wide)
+    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
+    n = min(K, fill)
+    np.testing.assert_array_equal(np.asarray(slots)[..., :n], np.argsort(-s, axis=-1, kind="stable")[..., :n])
+    np.testing.assert_allclose(np.asarray(scores)[..., :n], np.sort(s, axis=-1)[..., ::-1][..., :n], rtol=1e-5, atol=1e-5)
 
 
 @SETTINGS
@@ -394,17 +403,23 @@ def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size)
     assert abs(r - (L / 32) * (1 - (1 - 1 / L) ** 32)) < 0.03  # the documented formula predicts it
 
 
-@pytest.mark.parametrize("bin_size", [4, 128, 2 ** 12])
-def test_bin_max_of_bfloat16_scores_is_exact(bin_size):
-    """bfloat16 scores widened to float32 have 16 zero low bits: the index costs no precision."""
-    x = jnp.asarray(np.random.default_rng(bin_size).standard_normal((3, 2 * 2 ** 12)), jnp.bfloat16)
-    vals, idx = mt.bin_max(x, bin_size)
-    x32 = np.asarray(x, np.float32)
-    G = x32.shape[-1] // bin_size
-    want = np.stack([x32[:, j::G].max(-1) for j in range(G)], axis=-1)  # bin j: entries j, j + G, ...
-    np.testing.assert_array_equal(vals, want)
-    np.testing.assert_array_equal(np.asarray(idx) % G, np.arange(G) + np.zeros_like(idx))  # each in its bin
-    np.testing.assert_array_equal(np.take_along_axis(x32, np.asarray(idx), -1), want)  # and holding its max
+@pytest.mark.parametrize("bits", [2, 7, 12])
+def test_packed_scores_sort_like_the_scores_and_carry_their_row(bits):
+    """_pack: an int32 key per score, in the scores' order, with the row in its low bits.
+    bfloat16 scores (16 zero low bits once widened) come back exactly; float32 ones lose
+    the low `bits` bits of their mantissa and nothing more."""
+    rng = np.random.default_rng(bits)
+    row = rng.integers(0, 2 ** bits, (3, 4096)).astype(np.int32)
+    x16 = np.asarray(jnp.asarray(rng.standard_normal((3, 4096)), jnp.bfloat16), np.float32)
+    value, got_row = mt._unpack(mt._pack(jnp.asarray(x16), jnp.asarray(row), bits), bits)
+    np.testing.assert_array_equal(value, x16)
+    np.testing.assert_array_equal(got_row, row)
+    x32 = rng.standard_normal((3, 4096)).astype(np.float32)
+    key = np.asarray(mt._pack(jnp.asarray(x32), jnp.zeros_like(row), bits))
+    assert np.all(np.diff(np.take_along_axis(key, np.argsort(x32, axis=-1), -1), axis=-1) >= 0)  # monotone
+    value, got_row = mt._unpack(jnp.asarray(key), bits)
+    np.testing.assert_allclose(value, x32, rtol=2.0 ** (bits - 23), atol=0)
+    assert np.all(np.asarray(got_row) == 0)
 
 
 def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095():
