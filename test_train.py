@@ -399,9 +399,11 @@ def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
 # ----------------------------------------------------------------------------- benchmark.py
 def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
     out = tmp_path / "rows.json"
-    # Memory 512 at the preset's batch is the smoke run's config: its compiled step is cached.
-    proc = subprocess.run([sys.executable, "benchmark.py", "--memory-sizes", "0,512", "--steps", "1",
-                           "--json", str(out)], cwd=HERE, capture_output=True, text=True)
+    # The smallest preset (2 layers) at 2 rows: the test is about the rows and the JSON, and
+    # each row compiles four programs in a process of its own.
+    proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2",
+                           "--memory-sizes", "0,512", "--steps", "1", "--json", str(out)], cwd=HERE,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     assert [r["memory_size"] for r in rows] == [0, 512]
@@ -419,9 +421,9 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
 
 def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_the_ops(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, "benchmark.py", "--memory-sizes", "512", "--steps", "1", "--train-only",
-                           "--json", str(out), "--profile", str(tmp_path / "prof")], cwd=HERE, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2", "--memory-sizes",
+                           "512", "--steps", "1", "--train-only", "--json", str(out), "--profile", str(tmp_path / "prof")],
+                          cwd=HERE, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())
     assert row["step_s"] > 0 and row["peak_bytes"] > 0 and 0.9 <= row["recall"] <= 1.0
