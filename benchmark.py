@@ -16,6 +16,12 @@ layer, and attention over the K retrieved pairs (forward and backward).
 --profile DIR traces a few more steps of each row with jax.profiler and prints the XLA
 operations that took the most device time (thread time on a CPU), each with the JAX
 operation it came from; DIR keeps the compiled HLO, the raw trace and the table as JSON.
+
+--search times the memory search alone instead (one memory layer's `memory_search` at the
+preset's shapes, random unit keys, every slot valid), in its three forms called in turn in
+one process: binned in pieces of whole rows, binned in pieces of whole bins (the two give
+the same answer; which is faster depends on the backend), and exact. Its recall is that of
+the binned answer against the exact one on the same keys.
 """
 import os
 import signal
@@ -220,6 +226,56 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             jnp.dtype(c.storage_dtype).itemsize}
 
 
+def time_search(c, batch, memory_size, steps):
+    """The search alone: median seconds of each form of `memory_search` over `steps` calls (the
+    forms called in turn, after one warm-up call each), and the binned answer's recall."""
+    import jax
+    import jax.numpy as jnp
+    import memorizing_transformer as mt
+    H, T, D, K = c.num_heads, c.segment_length, c.head_dim, c.num_neighbors
+    unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    kq, kk = jax.random.split(jax.random.PRNGKey(0))  # drawn on the device: no host copy of the memory
+    q = unit(jax.random.normal(kq, (batch, H, T, D))).astype(c.dtype)  # [B, H, T, D]
+    keys = unit(jax.random.normal(kk, (batch, H, memory_size, D))).astype(c.storage_dtype)  # [B, H, M, D]
+    valid, scale = jnp.ones((batch, memory_size), bool), jnp.ones((H,), jnp.float32)
+    forms = {"whole_rows": (c, True), "whole_bins": (c, False), "exact": (c.replace(exact_topk=True), None)}
+    fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide: mt.memory_search(q, k, valid, scale, cfg, wide)[1])
+           for name, (cfg, wide) in forms.items()}
+    slots = {name: np.asarray(f(q, keys)) for name, f in fns.items()}  # compile + warm-up
+    times = {name: [] for name in fns}
+    for _ in range(steps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(q, keys))
+            times[name].append(time.perf_counter() - t0)
+    found = lambda a: np.mean([len(set(x) & set(y)) / K for x, y in zip(a.reshape(-1, K).tolist(),
+                                                                         slots["exact"].reshape(-1, K).tolist())])
+    return {"memory_size": memory_size, "search_s": {name: statistics.median(t) for name, t in times.items()},
+            "bins": mt.num_topk_bins(K, memory_size, c.topk_recall_target), "recall": float(found(slots["whole_rows"])),
+            "same_slots": float(np.mean(slots["whole_rows"] == slots["whole_bins"])), "device": device_name()}
+
+
+def search_table(args, base, batch, sizes):
+    """--search: the search's three forms at each nonzero memory size, in this process."""
+    import train
+    c = base.replace(batch_size=batch, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype)
+    rows = [time_search(c.replace(memory_size=m), batch, m, args.steps) for m in sizes if m]
+    print(f"device: {rows[0]['device']} | preset {args.preset}: the memory search alone, one memory layer: "
+          f"B {batch}, H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries "
+          f"{args.dtype}, memory in {c.storage_dtype}, median of {args.steps} calls of each form in turn")
+    print(f"\n{'memory':>8} {'bins':>6} {'whole rows ms':>14} {'whole bins ms':>14} {'exact ms':>9} {'recall':>7} "
+          f"{'same slots':>11}")
+    for r in rows:
+        t = r["search_s"]
+        print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
+              f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f}")
+    print("recall: the binned slots found among the exact top-k; same slots: the two binned forms agree "
+          "(they differ only in the order of ties)")
+    if args.json:
+        train.atomic_write(args.json, json.dumps(rows, indent=2))
+    return 0
+
+
 def run_child(cmd, env=None):
     """Run one row's process; on Ctrl-C or SIGTERM (KeyboardInterrupt here), stop it before
     passing the interrupt on, so that no child outlives the benchmark."""
@@ -256,6 +312,8 @@ def main(argv=None):
                    "that took the most time, and keep the trace, the HLO and the table in DIR")
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
                    "table (three programs fewer to compile per row, for a short lease on an accelerator)")
+    p.add_argument("--search", action="store_true", help="time the memory search alone, in its three forms (binned "
+                   "in whole rows or whole bins, and exact), with the binned answer's recall; memory size 0 is skipped")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
     return train.run_main(p, benchmark, argv)
 
@@ -277,6 +335,10 @@ def benchmark(args):
         except ValueError as e:
             raise train.UsageError(str(e)) from None
         train.check_fits(config, batch)
+    if args.search and (args.train_only or args.profile):
+        raise train.UsageError("--search times the search alone: it cannot be combined with --train-only or --profile.")
+    if args.search and not any(sizes):
+        raise train.UsageError("--search needs a memory size above 0 in --memory-sizes.")
     if args.row is not None:
         print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile,
                                  args.attention, args.train_only)))
@@ -286,6 +348,8 @@ def benchmark(args):
     if args.profile:
         train.check_writable_dir(args.profile, "--profile")
         os.makedirs(args.profile, exist_ok=True)
+    if args.search:
+        return search_table(args, base, batch, sizes)
 
     rows = []
     for m in sizes:

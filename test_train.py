@@ -438,6 +438,21 @@ def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_
     assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
 
 
+def test_benchmark_search_times_the_three_forms_of_the_search_and_they_agree(tmp_path, capsys):
+    import benchmark
+    out = tmp_path / "search.json"
+    assert benchmark.main(["--search", "--preset", "synthetic", "--batch-size", "1", "--memory-sizes", "0,8192",
+                           "--steps", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())  # memory size 0 has no search: skipped
+    assert row["memory_size"] == 8192 and set(row["search_s"]) == {"whole_rows", "whole_bins", "exact"}
+    assert all(t > 0 for t in row["search_s"].values()) and row["bins"] < 8192
+    # The two binned forms keep the same bins' maxima, so the same slots; binning loses a few.
+    assert row["same_slots"] == 1.0 and 0.9 <= row["recall"] < 1.0
+    assert "whole rows ms" in capsys.readouterr().out
+    assert benchmark.main(["--search", "--train-only"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
+
+
 def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
     import benchmark
     for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"]):
