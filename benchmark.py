@@ -269,8 +269,8 @@ def search_table(args, base, batch, sizes):
         t = r["search_s"]
         print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
               f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f}")
-    print("recall: the binned slots found among the exact top-k; same slots: the two binned forms agree "
-          "(they differ only in the order of ties)")
+    print("recall: the binned slots found among the exact top-k; same slots: the share on which the two binned "
+          "forms agree (1: they keep the same bins' maxima)")
     if args.json:
         train.atomic_write(args.json, json.dumps(rows, indent=2))
     return 0
