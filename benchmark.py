@@ -73,6 +73,13 @@ def peak_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def recall(found, exact):
+    """Share of each query's exact top-k slots that `found` also holds: [..., K] each."""
+    K = exact.shape[-1]
+    return float(np.mean([len(set(x) & set(y)) / K for x, y in zip(np.asarray(found).reshape(-1, K).tolist(),
+                                                                     np.asarray(exact).reshape(-1, K).tolist())]))
+
+
 def measure_recall(c, memory_size, queries=64):
     """Approximate top-k, in the model's dtypes, against exact float32 top-k on random unit vectors."""
     import jax.numpy as jnp
@@ -87,8 +94,7 @@ def measure_recall(c, memory_size, queries=64):
     valid = np.ones((1, memory_size), bool)
     _, approx = mt.memory_search(jnp.asarray(q, c.dtype), jnp.asarray(k, c.storage_dtype), valid, jnp.ones(1), cfg)
     _, exact = mt.memory_search(q, k, valid, jnp.ones(1), cfg.replace(exact_topk=True, dtype="float32"))
-    a, e = np.asarray(approx).reshape(-1, c.num_neighbors), np.asarray(exact).reshape(-1, c.num_neighbors)
-    return float(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a.tolist(), e.tolist())]))
+    return recall(approx, exact)
 
 
 def device_name():
@@ -248,10 +254,9 @@ def time_search(c, batch, memory_size, steps):
             t0 = time.perf_counter()
             jax.block_until_ready(f(q, keys))
             times[name].append(time.perf_counter() - t0)
-    found = lambda a: np.mean([len(set(x) & set(y)) / K for x, y in zip(a.reshape(-1, K).tolist(),
-                                                                         slots["exact"].reshape(-1, K).tolist())])
     return {"memory_size": memory_size, "search_s": {name: statistics.median(t) for name, t in times.items()},
-            "bins": mt.num_topk_bins(K, memory_size, c.topk_recall_target), "recall": float(found(slots["whole_rows"])),
+            "bins": mt.num_topk_bins(K, memory_size, c.topk_recall_target),
+            "recall": recall(slots["whole_rows"], slots["exact"]),
             "same_slots": float(np.mean(slots["whole_rows"] == slots["whole_bins"])), "device": device_name()}
 
 
