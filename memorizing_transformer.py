@@ -393,10 +393,11 @@ def num_topk_bins(k, memory_size, recall_target):
     Only a bin's best entry survives. With the true top-k spread uniformly over L bins,
     the r-th best survives iff none of the r-1 better ones shares its bin, so the
     expected recall is (1/k) * sum_r (1 - 1/L)^(r-1) = (L/k) * (1 - (1 - 1/L)^k),
-    about 1 - (k-1)/(2L). L is the smallest power of two meeting the target (at most M).
+    about 1 - (k-1)/(2L). L is the smallest power of two that is at least k (each bin gives
+    one winner) and meets the target; at most M.
     """
     L = 1
-    while L < memory_size and (L / k) * (1 - (1 - 1 / L) ** k) < recall_target:
+    while L < memory_size and (L < k or (L / k) * (1 - (1 - 1 / L) ** k) < recall_target):
         L *= 2
     return min(L, memory_size)
 

@@ -382,6 +382,25 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
     np.testing.assert_allclose(np.take_along_axis(best, bins, -1), want[..., :found], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("target", [0.05, 0.3, 0.95])
+def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(target):
+    """Fewer bins than neighbours would leave fewer winners than k: num_topk_bins never goes
+    below k, and with every slot valid the answer is the k best bins' maxima."""
+    for k, m in [(1, 8), (8, 32), (32, 512), (32, 65536), (24, 40)]:
+        assert min(k, m) <= mt.num_topk_bins(k, m, target) <= m
+    cfg = SMALL.replace(topk_recall_target=target)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size, cfg.num_neighbors
+    L = mt.num_topk_bins(K, M, target)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    scores, slots = mt.memory_search(heads_first(q), mk, np.ones((B, M), bool), jnp.ones(H), cfg)
+    s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M]
+    best = s.reshape(B, H, T, M // L, L).max(axis=3)  # bin of slot s: s mod L
+    np.testing.assert_allclose(scores, np.sort(best, axis=-1)[..., ::-1][..., :K], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.take_along_axis(s, np.asarray(slots), -1), scores, rtol=1e-5, atol=1e-5)
+
+
 def recall(slots, exact_slots):
     hits = [len(set(a) & set(b)) for a, b in zip(slots.reshape(-1, slots.shape[-1]).tolist(),
                                                  exact_slots.reshape(-1, slots.shape[-1]).tolist())]
