@@ -382,6 +382,22 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
     np.testing.assert_allclose(np.take_along_axis(best, bins, -1), want[..., :found], rtol=1e-5, atol=1e-5)
 
 
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), shape=st.sampled_from([(3, 5, 16), (2, 40), (4, 3, 96), (2, 3, 512)]),
+       k=st.sampled_from([1, 5, 16]), block=st.sampled_from([16, 100, 2 ** 21]))
+def test_top_k_in_passes_equals_a_stable_numpy_sort_with_ties_and_masked_scores(seed, shape, k, block):
+    """The CPU's top-k of the bins' winners: the k largest and their positions, the lower
+    position first among equal values (as lax.top_k), for rows of any length and in blocks
+    of one row, of a few rows or all rows."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-6, 6, shape).astype(np.float32) / 4  # few distinct values: many ties
+    x[rng.random(shape) < 0.2] = mt.NEG_INF  # invalid slots' scores
+    vals, pos = jax.jit(mt.top_k_in_passes, static_argnums=(1, 2))(jnp.asarray(x), k, block)
+    want = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    np.testing.assert_array_equal(pos, want)
+    np.testing.assert_array_equal(vals, np.take_along_axis(x, want, -1))
+
+
 @pytest.mark.parametrize("target", [0.05, 0.3, 0.95])
 def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(target):
     """Fewer bins than neighbours would leave fewer winners than k: num_topk_bins never goes
