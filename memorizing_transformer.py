@@ -440,7 +440,7 @@ def _reduce_by_halves(x, op):
     return x
 
 
-def top_k_in_passes(x, k, block=2 ** 21):
+def top_k_in_passes(x, k, block=2 ** 20):
     """jax.lax.top_k(x, k) for finite x, as k passes over the last axis, each taking the
     largest entry left and its position (the lowest among equal entries, as top_k does): the
     same values and positions.
