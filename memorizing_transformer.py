@@ -453,6 +453,8 @@ def top_k_in_passes(x, k, block=2 ** 20):
     while they are in the cache.
     """
     *lead, L = x.shape
+    if k > L:
+        raise ValueError(f"k ({k}) exceeds the {L} entries of a row.")
     rows = x.size // L
     n = _largest_divisor_at_most(rows, max(1, block // L))  # rows a block
     at = jax.lax.broadcasted_iota(jnp.float32, (n, L), 1)  # positions, as floats (exact below 2**24)

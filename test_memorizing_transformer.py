@@ -396,6 +396,8 @@ def test_top_k_in_passes_equals_a_stable_numpy_sort_with_ties_and_masked_scores(
     want = np.argsort(-x, axis=-1, kind="stable")[..., :k]
     np.testing.assert_array_equal(pos, want)
     np.testing.assert_array_equal(vals, np.take_along_axis(x, want, -1))
+    with pytest.raises(ValueError, match="exceeds"):
+        mt.top_k_in_passes(jnp.asarray(x), shape[-1] + 1)
 
 
 @pytest.mark.parametrize("target", [0.05, 0.3, 0.95])
