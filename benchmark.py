@@ -234,30 +234,39 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
 
 def time_search(c, batch, memory_size, steps):
     """The search alone: median seconds of each form of `memory_search` over `steps` calls (the
-    forms called in turn, after one warm-up call each), and the binned answer's recall."""
+    forms called in turn, after one warm-up call each), and the binned answer's recall. Also
+    its last stage alone, the top-k of each query's L bins' winners (random ones), both ways:
+    `lax.top_k` and `top_k_in_passes` (which `memory_search` uses on a CPU only)."""
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
     H, T, D, K = c.num_heads, c.segment_length, c.head_dim, c.num_neighbors
     unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
-    kq, kk = jax.random.split(jax.random.PRNGKey(0))  # drawn on the device: no host copy of the memory
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(0), 3)  # drawn on the device: no host copy of the memory
     q = unit(jax.random.normal(kq, (batch, H, T, D))).astype(c.dtype)  # [B, H, T, D]
     keys = unit(jax.random.normal(kk, (batch, H, memory_size, D))).astype(c.storage_dtype)  # [B, H, M, D]
     valid, scale = jnp.ones((batch, memory_size), bool), jnp.ones((H,), jnp.float32)
     forms = {"whole_rows": (c, True), "whole_bins": (c, False), "exact": (c.replace(exact_topk=True), None)}
     fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide: mt.memory_search(q, k, valid, scale, cfg, wide)[1])
            for name, (cfg, wide) in forms.items()}
-    slots = {name: np.asarray(f(q, keys)) for name, f in fns.items()}  # compile + warm-up
-    times = {name: [] for name in fns}
+    L = mt.num_topk_bins(K, memory_size, c.topk_recall_target)
+    winners = jax.random.normal(kw, (batch, H, T, L), jnp.float32)  # [B, H, T, L]
+    topks = {"lax": jax.jit(lambda x: jax.lax.top_k(x, K)[1]), "passes": jax.jit(lambda x: mt.top_k_in_passes(x, K)[1])}
+    calls = {**{name: (f, (q, keys)) for name, f in fns.items()},
+             **{"top_k_" + name: (f, (winners,)) for name, f in topks.items()}}
+    out = {name: np.asarray(f(*a)) for name, (f, a) in calls.items()}  # compile + warm-up
+    times = {name: [] for name in calls}
     for _ in range(steps):
-        for name, f in fns.items():
+        for name, (f, a) in calls.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(f(q, keys))
+            jax.block_until_ready(f(*a))
             times[name].append(time.perf_counter() - t0)
-    return {"memory_size": memory_size, "search_s": {name: statistics.median(t) for name, t in times.items()},
-            "bins": mt.num_topk_bins(K, memory_size, c.topk_recall_target),
-            "recall": recall(slots["whole_rows"], slots["exact"]),
-            "same_slots": float(np.mean(slots["whole_rows"] == slots["whole_bins"])), "device": device_name()}
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return {"memory_size": memory_size, "search_s": {name: median[name] for name in fns},
+            "top_k_s": {name: median["top_k_" + name] for name in topks}, "bins": L,
+            "recall": recall(out["whole_rows"], out["exact"]),
+            "same_slots": float(np.mean(out["whole_rows"] == out["whole_bins"])),
+            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])), "device": device_name()}
 
 
 def search_table(args, base, batch, sizes):
@@ -269,13 +278,16 @@ def search_table(args, base, batch, sizes):
           f"B {batch}, H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries "
           f"{args.dtype}, memory in {c.storage_dtype}, median of {args.steps} calls of each form in turn")
     print(f"\n{'memory':>8} {'bins':>6} {'whole rows ms':>14} {'whole bins ms':>14} {'exact ms':>9} {'recall':>7} "
-          f"{'same slots':>11}")
+          f"{'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}")
     for r in rows:
-        t = r["search_s"]
+        t, k = r["search_s"], r["top_k_s"]
         print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
-              f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f}")
+              f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} "
+              f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
     print("recall: the binned slots found among the exact top-k; same slots: the share on which the two binned "
-          "forms agree (1: they keep the same bins' maxima)")
+          "forms agree (1: they keep the same bins' maxima); top-k, in passes: the top-k of the bins' winners alone, "
+          "by lax.top_k and by top_k_in_passes (a CPU's memory_search uses the passes), and the share of positions "
+          "on which they agree (must be 1)")
     if args.json:
         train.atomic_write(args.json, json.dumps(rows, indent=2))
     return 0
