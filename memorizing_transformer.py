@@ -490,11 +490,12 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=None):
     The memory is scored a piece of at most config.memory_chunk slots at a time. Exact
     (config.exact_topk): each contiguous piece's top-k are candidates, and the top-k of all
     candidates is the answer. Binned (Sec. 3.3): slot s is in bin s mod L (row s // L), so
-    slots written one after the other, whose keys resemble each other, never share a bin, and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L],
-    the memory is scored in pieces of R rows by W bins; each bin's best packed key (_pack:
-    score and row in one int32) so far is kept in a [B, H, T, L] array, and the answer is
-    the top-k of those L winners. Invalid slots score NEG_INF. Not differentiable:
-    retrieval only picks slots.
+    slots written one after the other, whose keys resemble each other, never share a bin,
+    and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L], the memory
+    is scored in pieces of R rows by W bins; each bin's best packed key (_pack: score and row
+    in one int32) so far is kept in a [B, H, T, L] array, and the answer is the top-k of
+    those L winners (top_k: on a CPU, in passes). Invalid slots score NEG_INF. Not
+    differentiable: retrieval only picks slots.
 
     wide: the pieces' shape, which decides the speed only (the tests hold both equal).
     True: whole rows (W = L, a few rows a piece), contiguous reads, and every piece reads
