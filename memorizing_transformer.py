@@ -456,7 +456,8 @@ def top_k_in_passes(x, k, block=2 ** 20):
     if k > L:
         raise ValueError(f"k ({k}) exceeds the {L} entries of a row.")
     rows = x.size // L
-    n = _largest_divisor_at_most(rows, max(1, block // L))  # rows a block
+    nb = -(-rows // max(1, block // L))  # blocks
+    n = -(-rows // nb)  # rows a block; the last block is padded with rows of zeros
     at = jax.lax.broadcasted_iota(jnp.float32, (n, L), 1)  # positions, as floats (exact below 2**24)
 
     def passes(xb):  # [n, L] -> [n, k], [n, k]
@@ -469,8 +470,9 @@ def top_k_in_passes(x, k, block=2 ** 20):
             xb = jnp.where(at == p, -jnp.inf, xb)  # taken
         return jnp.concatenate(vals, -1), jnp.concatenate(pos, -1).astype(jnp.int32)
 
-    vals, pos = jax.lax.map(passes, x.reshape(rows // n, n, L))  # [rows / n, n, k] each
-    return vals.reshape(*lead, k), pos.reshape(*lead, k)
+    xr = jnp.pad(x.reshape(rows, L), ((0, nb * n - rows), (0, 0)))  # [nb * n, L]
+    vals, pos = jax.lax.map(passes, xr.reshape(nb, n, L))  # [nb, n, k] each
+    return vals.reshape(nb * n, k)[:rows].reshape(*lead, k), pos.reshape(nb * n, k)[:rows].reshape(*lead, k)
 
 
 def top_k(x, k):
