@@ -21,7 +21,9 @@ operation it came from; DIR keeps the compiled HLO, the raw trace and the table 
 preset's shapes, random unit keys, every slot valid), in its three forms called in turn in
 one process: binned in pieces of whole rows, binned in pieces of whole bins (the two give
 the same answer; which is faster depends on the backend), and exact. Its recall is that of
-the binned answer against the exact one on the same keys.
+the binned answer against the exact one on the same keys. It also times the search's last
+stage alone, the top-k of the bins' winners, by lax.top_k and in passes (top_k_in_passes,
+which a CPU uses), and checks that the two agree.
 """
 import os
 import signal
@@ -330,7 +332,8 @@ def main(argv=None):
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
                    "table (three programs fewer to compile per row, for a short lease on an accelerator)")
     p.add_argument("--search", action="store_true", help="time the memory search alone, in its three forms (binned "
-                   "in whole rows or whole bins, and exact), with the binned answer's recall; memory size 0 is skipped")
+                   "in whole rows or whole bins, and exact), with the binned answer's recall, and its final top-k "
+                   "alone, by lax.top_k and in passes; memory size 0 is skipped")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
     return train.run_main(p, benchmark, argv)
 

@@ -472,7 +472,8 @@ def top_k_in_passes(x, k, block=2 ** 20):
 
     xr = jnp.pad(x.reshape(rows, L), ((0, nb * n - rows), (0, 0)))  # [nb * n, L]
     vals, pos = jax.lax.map(passes, xr.reshape(nb, n, L))  # [nb, n, k] each
-    return vals.reshape(nb * n, k)[:rows].reshape(*lead, k), pos.reshape(nb * n, k)[:rows].reshape(*lead, k)
+    unpad = lambda y: y.reshape(nb * n, k)[:rows].reshape(*lead, k)
+    return unpad(vals), unpad(pos)
 
 
 def top_k(x, k):
