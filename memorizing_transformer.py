@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG_INF = -1e30  # finite "minus infinity": masked logits never produce NaN gradients
+CPU_WINNERS_BYTES = 2 ** 21  # memory_search on a CPU: a block of batch rows' bin winners (a cache's worth)
 
 
 # ----------------------------------------------------------------------------- config
@@ -486,7 +487,7 @@ def top_k(x, k):
     return jax.lax.top_k(x, k)
 
 
-def memory_search(q, mem_k, mem_valid, scale, config, wide=None):
+def memory_search(q, mem_k, mem_valid, scale, config, wide=None, batch_block=None):
     """Top-k memory slots for every query, without ever building the [B, H, T, M] scores.
 
     q: [B, H, T, D]; mem_k: [B, H, M, D]; mem_valid: [B, M] -> scores, slots: [B, H, T, K].
@@ -516,7 +517,7 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=None):
     # iota) out of it, to be read back by every piece: 4x the scores' own traffic.
     qs = jax.lax.stop_gradient(q * scale.astype(q.dtype)[None, :, None, None])  # [B, H, T, D]
 
-    def score(keys, valid):  # keys [B, H, *piece, D], valid [B, *piece] -> [B, H, T, *piece]
+    def score(qs, keys, valid):  # keys [B, H, *piece, D], valid [B, *piece] -> [B, H, T, *piece]
         # The scores are the largest tensor of a step (T per slot): they stay in the queries'
         # dtype, so bfloat16 halves their traffic. Accumulation is float32 either way.
         s = jnp.einsum("bhtd,bh...d->bht...", qs, keys.astype(qs.dtype), preferred_element_type=qs.dtype)
@@ -525,7 +526,7 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=None):
     if config.exact_topk:
         size = _largest_divisor_at_most(M, config.memory_chunk)
         def candidates(_, c):
-            s = score(jax.lax.dynamic_slice_in_dim(mem_k, c * size, size, axis=2),
+            s = score(qs, jax.lax.dynamic_slice_in_dim(mem_k, c * size, size, axis=2),
                       jax.lax.dynamic_slice_in_dim(mem_valid, c * size, size, axis=1))  # [B, H, T, size]
             vals, idx = jax.lax.top_k(s, min(K, size))  # [B, H, T, K]
             return None, (vals, idx + c * size)
@@ -540,29 +541,40 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=None):
     while M % (2 * rows) == 0 and 2 * rows <= M // bins:
         rows *= 2
     L, bits = M // rows, rows.bit_length() - 1  # slot s = row * L + bin
+    cpu = jax.default_backend() == "cpu"
     if wide is None:
-        wide = jax.default_backend() == "cpu"
+        wide = cpu
     if wide:  # where a row is longer than a piece, a piece is part of one row
         W = _largest_divisor_at_most(L, config.memory_chunk)
         R = _largest_divisor_at_most(rows, config.memory_chunk // W)
     else:  # where a bin is taller than a piece, a piece is part of one bin
         R = _largest_divisor_at_most(rows, config.memory_chunk)
         W = _largest_divisor_at_most(L, config.memory_chunk // R)
+    if batch_block is None:  # on a CPU, as many batch rows as keep their winners in 2 MiB
+        batch_block = max(1, CPU_WINNERS_BYTES // (H * T * L * 4)) if cpu else B
+    n = _largest_divisor_at_most(B, batch_block)
+
+    def search_rows(b):  # batch rows b .. b + n - 1
+        def best_so_far(best, c):  # best: [n, H, T, L] each bin's best packed key so far
+            r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
+            s = score(jax.lax.dynamic_slice_in_dim(qs, b, n),
+                      jax.lax.dynamic_slice(keys, (b, 0, r, w, 0), (n, H, R, W, D)),
+                      jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W)))  # [n, H, T, R, W]
+            new = jnp.max(_pack(s, r + jax.lax.broadcasted_iota(jnp.int32, s.shape, 3), bits), axis=3)
+            old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=3)  # [n, H, T, W]
+            return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=3), None
+
+        start = jnp.full((n, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
+        best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
+        vals, row = _unpack(best, bits)  # [n, H, T, L]
+        top, pos = top_k(vals, K)  # [n, H, T, K]
+        return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
+
     keys, valid = mem_k.reshape(B, H, rows, L, D), mem_valid.reshape(B, rows, L)
-
-    def best_so_far(best, c):  # best: [B, H, T, L] each bin's best packed key so far
-        r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
-        s = score(jax.lax.dynamic_slice(keys, (0, 0, r, w, 0), (B, H, R, W, D)),
-                  jax.lax.dynamic_slice(valid, (0, r, w), (B, R, W)))  # [B, H, T, R, W]
-        new = jnp.max(_pack(s, r + jax.lax.broadcasted_iota(jnp.int32, s.shape, 3), bits), axis=3)
-        old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=3)  # [B, H, T, W]
-        return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=3), None
-
-    start = jnp.full((B, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
-    best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
-    vals, row = _unpack(best, bits)  # [B, H, T, L]
-    top, pos = top_k(vals, K)  # [B, H, T, K]
-    return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
+    if n == B:
+        return search_rows(0)
+    top, slots = jax.lax.map(search_rows, jnp.arange(0, B, n))  # [B // n, n, H, T, K] each
+    return top.reshape(B, H, T, K), slots.reshape(B, H, T, K)
 
 
 def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, products):

@@ -331,9 +331,11 @@ def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
 
 # ----------------------------------------------------------------------------- approximate top-k
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), wide=st.booleans())
-def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, wide):
-    """M = 64 <= num_topk_bins: every slot is a bin of its own, and no score loses a bit."""
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), wide=st.booleans(),
+       batch_block=st.sampled_from([1, 2]))
+def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, wide, batch_block):
+    """M = 64 <= num_topk_bins: every slot is a bin of its own, and no score loses a bit.
+    The two batch rows are searched together or one after the other (batch_block)."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(memory_size=64, memory_chunk=16)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
@@ -342,7 +344,8 @@ def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fil
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5))(heads_first(q), mk, valid, jnp.ones(H), cfg, wide)
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
+                                                                        wide, batch_block)
     s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
     n = min(K, fill)
     np.testing.assert_array_equal(np.asarray(slots)[..., :n], np.argsort(-s, axis=-1, kind="stable")[..., :n])
@@ -351,11 +354,12 @@ def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fil
 
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]),
-       chunk=st.sampled_from([4, 32, 512]), wide=st.booleans())
-def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, wide):
+       chunk=st.sampled_from([4, 32, 512]), wide=st.booleans(), batch_block=st.sampled_from([1, 2]))
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, wide, batch_block):
     """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots.
     The memory, 8 rows of L = 128 slots, is scored in pieces of 4, 32 or 512 slots: wide
-    ones 4 or 32 slots of one row or 4 whole rows, tall ones half a bin, 4 or 64 whole bins."""
+    ones 4 or 32 slots of one row or 4 whole rows, tall ones half a bin, 4 or 64 whole bins;
+    the two batch rows together or one after the other (batch_block)."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 1024, cfg.num_neighbors
@@ -366,7 +370,8 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5))(heads_first(q), mk, valid, jnp.ones(H), cfg, wide)
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
+                                                                        wide, batch_block)
     scores, slots = np.asarray(scores), np.asarray(slots)
     s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
     best = np.full((B, H, T, M // size), -np.inf)
