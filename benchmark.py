@@ -4,10 +4,17 @@
   python benchmark.py --preset paper --batch-size 1 --steps 3
   python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --steps 3   # one GPU
   python benchmark.py --json rows.json --profile prof/  # also: where each step's time goes
+  python benchmark.py --train-only --rounds 21          # also: ratios from steps called in turn
 
 Each memory size runs in its own process (so that peak memory is that row's own), compiles
 the jitted train step once, warms up, and reports the median of --steps timed steps
 (block_until_ready). A second table times the forward pass alone.
+
+--rounds N also calls every row's train step in turn in one more process, N rounds, and
+gives each row the median over the rounds of its step time over the no-memory step's in the
+same round (`paired`, with its min and max, and `/floor`, paired over floor). On a shared
+machine whose speed drifts, this ratio is steadier than `ratio`, whose two medians were
+taken minutes apart; it is the one to compare with the floor there.
 
 The floor: training FLOPs with the memory over those without, counting what the memory
 must add and nothing else: one forward-only [T, M] score product per head in each memory
@@ -161,6 +168,45 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
     return table
 
 
+def row_step(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit"):
+    """One memory size's config, jitted train step and its arguments (params, optimizer state,
+    model state, a batch of random tokens; the same seeds in every row)."""
+    import jax
+    import memorizing_transformer as mt
+    import train
+    c = mt.PRESETS[preset].replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype,
+                                   memory_dtype=memory_dtype, attention=attention)
+    params = mt.init_params(c, jax.random.PRNGKey(0))
+    opt_state = train.make_optimizer(c)[0](params)
+    tokens = np.random.default_rng(0).integers(1, c.vocab_size, (batch, c.segment_length)).astype(np.int32)
+    batch_arrays = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones(tokens.shape, bool),
+                    "reset": np.zeros(batch, bool)}
+    return c, train.make_train_step(train.step_config(c)), [params, opt_state, mt.init_state(c, batch), batch_arrays]
+
+
+def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, attention="explicit"):
+    """Every memory size's train step in this process, called in turn for `rounds` rounds (after
+    two warm-up rounds), so that each round's steps see the same machine. Returns, for each
+    size, the median, min and max over the rounds of its step time over the base row's (size 0,
+    else the first) in the same round: on a shared, noisy machine a steadier ratio than that of
+    medians taken minutes apart in separate processes."""
+    import jax
+    runs = {m: row_step(preset, batch, m, dtype, memory_dtype, attention)[1:] for m in sizes}
+    times = {m: [] for m in sizes}
+    for r in range(rounds + 2):
+        for m, (step, a) in runs.items():
+            t0 = time.perf_counter()
+            a[0], a[1], a[2], metrics = step(*a)
+            jax.block_until_ready(metrics)
+            times[m].append(time.perf_counter() - t0)
+    base = 0 if 0 in sizes else sizes[0]
+    out = {}
+    for m in sizes:
+        ratios = [t / b for t, b in zip(times[m][2:], times[base][2:])]
+        out[m] = {"paired_ratio": statistics.median(ratios), "paired_min": min(ratios), "paired_max": max(ratios)}
+    return out
+
+
 def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None, attention="explicit",
             train_only=False):
     """One memory size, in this process: returns the row's measurements (with train_only, the
@@ -168,18 +214,9 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
-    import train
-    base = mt.PRESETS[preset]
-    c = base.replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype, memory_dtype=memory_dtype,
-                     attention=attention)
-    params = mt.init_params(c, jax.random.PRNGKey(0))
-    opt_state = train.make_optimizer(c)[0](params)
-    state = mt.init_state(c, batch)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, c.vocab_size, (batch, c.segment_length)).astype(np.int32)
-    batch_arrays = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones(tokens.shape, bool),
-                    "reset": np.zeros(batch, bool)}
-    step = train.make_train_step(train.step_config(c))
+    c, step, (params, opt_state, state, batch_arrays) = row_step(preset, batch, memory_size, dtype, memory_dtype,
+                                                                 attention)
+    tokens = batch_arrays["tokens"]
     t0 = time.perf_counter()
     params, opt_state, state, m = step(params, opt_state, state, batch_arrays)  # compile + first step
     jax.block_until_ready(m)
@@ -334,7 +371,11 @@ def main(argv=None):
     p.add_argument("--search", action="store_true", help="time the memory search alone, in its three forms (binned "
                    "in whole rows or whole bins, and exact), with the binned answer's recall, and its final top-k "
                    "alone, by lax.top_k and in passes; memory size 0 is skipped")
+    p.add_argument("--rounds", type=int, default=0, help="also call every row's train step in turn in one process for "
+                   "this many rounds, and give each row's median ratio to the no-memory step of the same round "
+                   "(the `paired` column; steadier on a shared machine than `ratio`); 0: not done")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
+    p.add_argument("--alternate", action="store_true", help=argparse.SUPPRESS)  # internal: --rounds in this process
     return train.run_main(p, benchmark, argv)
 
 
@@ -357,8 +398,16 @@ def benchmark(args):
         train.check_fits(config, batch)
     if args.search and (args.train_only or args.profile):
         raise train.UsageError("--search times the search alone: it cannot be combined with --train-only or --profile.")
+    if args.rounds < 0:
+        raise train.UsageError(f"--rounds must be 0 or more, got {args.rounds}.")
+    if args.search and args.rounds:
+        raise train.UsageError("--search times the search alone: it cannot be combined with --rounds.")
     if args.search and not any(sizes):
         raise train.UsageError("--search needs a memory size above 0 in --memory-sizes.")
+    if args.alternate:
+        print(json.dumps(alternate_rows(args.preset, batch, sizes, args.rounds, args.dtype, args.memory_dtype,
+                                        args.attention)))
+        return 0
     if args.row is not None:
         print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile,
                                  args.attention, args.train_only)))
@@ -372,10 +421,11 @@ def benchmark(args):
         return search_table(args, base, batch, sizes)
 
     rows = []
+    common = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
+              "--steps", str(args.steps), "--dtype", args.dtype, "--attention", args.attention]
+    common += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
     for m in sizes:
-        cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
-               "--steps", str(args.steps), "--dtype", args.dtype, "--attention", args.attention, "--row", str(m)]
-        cmd += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
+        cmd = common + ["--row", str(m)]
         cmd += ["--profile", args.profile] if args.profile else []
         cmd += ["--train-only"] if args.train_only else []
         code, stdout, stderr = run_child(cmd)
@@ -386,6 +436,17 @@ def benchmark(args):
         rows.append(json.loads(stdout.strip().splitlines()[-1]))
         print(f"row {m}: step {rows[-1]['step_s']:.4f} s, peak {rows[-1]['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
               f"{rows[-1]['compile_s']:.0f} s", file=sys.stderr)
+    if args.rounds:
+        code, stdout, stderr = run_child(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds",
+                                                   str(args.rounds), "--alternate"])
+        if code:
+            last = (stderr.strip().splitlines() or ["no message"])[-1]
+            print(f"error: the alternated rounds failed (exit code {code}): {last}", file=sys.stderr)
+            return 130 if code == 130 else 1
+        paired = json.loads(stdout.strip().splitlines()[-1])
+        for r in rows:
+            r.update(paired[str(r["memory_size"])])
+        print(f"alternated: {args.rounds} rounds", file=sys.stderr)
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in rows[0]["device"]), None)
     for r in rows:
@@ -406,12 +467,18 @@ def benchmark(args):
     fmt4 = lambda x: "-" if x is None else f"{x:.4f}"
     print("\ntrain step")
     print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'growth':>7} "
-          f"{'recall':>7}" + (f" {'MFU':>6}" if rows[0]["mfu"] is not None else ""))
+          f"{'recall':>7}" + (f" {'MFU':>6}" if rows[0]["mfu"] is not None else "") +
+          (f" {'paired':>7} {'min':>6} {'max':>6} {'/floor':>7}" if args.rounds else ""))
     for r in rows:
         print(f"{r['memory_size']:>8} {r['step_s']:>9.4f} {r['ratio']:>7.3f} {r['floor_ratio']:>7.3f} "
               f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['peak_growth']):>7} "
-              f"{fmt(r['recall']):>7}" + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else ""))
+              f"{fmt(r['recall']):>7}" + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else "") +
+              (f" {r['paired_ratio']:>7.3f} {r['paired_min']:>6.3f} {r['paired_max']:>6.3f} "
+               f"{r['paired_ratio'] / r['floor_ratio']:>7.3f}" if args.rounds else ""))
     print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
+    if args.rounds:
+        print(f"paired: median over {args.rounds} rounds, the rows' steps called in turn in one process, of each "
+              f"step's time over the no-memory step's in the same round (min, max); /floor: paired over floor")
     if not args.train_only:
         print("\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it differentiates")
         print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7} {'fwd+loss s':>11} {'grad s':>9} {'grad/fwd':>9}")

@@ -422,11 +422,13 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
 def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_the_ops(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2", "--memory-sizes",
-                           "512", "--steps", "1", "--train-only", "--json", str(out), "--profile", str(tmp_path / "prof")],
-                          cwd=HERE, capture_output=True, text=True)
+                           "512", "--steps", "1", "--train-only", "--json", str(out), "--profile", str(tmp_path / "prof"),
+                           "--rounds", "1"], cwd=HERE, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())
     assert row["step_s"] > 0 and row["peak_bytes"] > 0 and 0.9 <= row["recall"] <= 1.0
+    # --rounds: the one row is its own base (no size 0 given), so its paired ratio is 1.
+    assert row["paired_ratio"] == row["paired_min"] == row["paired_max"] == 1.0 and "paired" in proc.stdout
     assert row["forward_s"] is None and row["forward_ratio"] is None and row["grad_s"] is None
     assert "train step" in proc.stdout and "forward pass" not in proc.stdout
     # --profile: the operations that took the time, each named after the JAX operation it came from.
@@ -436,6 +438,28 @@ def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_
                                                            for op in prof["by_source"])
     assert abs(sum(op["share"] for op in prof["by_source"]) - 1) < 1e-6 and row["profile"]
     assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
+
+
+def test_alternated_rounds_give_each_row_its_steps_over_the_no_memory_steps_of_the_same_rounds(monkeypatch):
+    """benchmark.py --rounds: each row's ratio is the median over rounds of its step time over
+    the no-memory step's in the same round, after two warm-up rounds. A fake clock: each step
+    takes its size's cost times the machine's speed in that round, plus 100 on its first call."""
+    import benchmark
+    sizes, cost, speeds = [512, 0, 1024], {0: 1.0, 512: 1.5, 1024: 2.5}, [5.0, 7.0, 1.0, 3.0]
+    clock, calls = {"t": 0.0}, []
+
+    def fake_row_step(preset, batch, m, *_):
+        def step(*a):
+            clock["t"] += cost[m] * speeds[len(calls) // len(sizes)] + 100 * (m not in calls)
+            calls.append(m)
+            return a[0], a[1], a[2], {}
+        return None, step, [None] * 4
+    monkeypatch.setattr(benchmark, "row_step", fake_row_step)
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock["t"])
+    out = benchmark.alternate_rows("synthetic", 1, sizes, 2, "float32")
+    assert calls == sizes * 4 and out[0] == {"paired_ratio": 1.0, "paired_min": 1.0, "paired_max": 1.0}
+    for m in (512, 1024):  # the speeds cancel within a round; the first calls are not counted
+        assert [out[m][k] for k in ("paired_min", "paired_ratio", "paired_max")] == pytest.approx([cost[m]] * 3)
 
 
 def test_benchmark_search_times_the_three_forms_of_the_search_and_the_top_k_both_ways_and_they_agree(tmp_path, capsys):
@@ -458,7 +482,8 @@ def test_benchmark_search_times_the_three_forms_of_the_search_and_the_top_k_both
 
 def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
     import benchmark
-    for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"]):
+    for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"], ["--rounds", "-1"],
+                  ["--search", "--rounds", "3"]):
         code = benchmark.main(flags)
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (flags, err)
