@@ -193,7 +193,7 @@ def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, atten
     import jax
     runs = {m: row_step(preset, batch, m, dtype, memory_dtype, attention)[1:] for m in sizes}
     times = {m: [] for m in sizes}
-    for r in range(rounds + 2):
+    for _ in range(rounds + 2):
         for m, (step, a) in runs.items():
             t0 = time.perf_counter()
             a[0], a[1], a[2], metrics = step(*a)

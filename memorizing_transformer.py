@@ -563,10 +563,11 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=None, batch_block=Non
     n = _largest_divisor_at_most(B, batch_block)
 
     def search_rows(b):  # batch rows b .. b + n - 1
+        qb = jax.lax.dynamic_slice_in_dim(qs, b, n)  # [n, H, T, D]
+
         def best_so_far(best, c):  # best: [n, H, T, L] each bin's best packed key so far
             r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
-            s = score(jax.lax.dynamic_slice_in_dim(qs, b, n),
-                      jax.lax.dynamic_slice(keys, (b, 0, r, w, 0), (n, H, R, W, D)),
+            s = score(qb, jax.lax.dynamic_slice(keys, (b, 0, r, w, 0), (n, H, R, W, D)),
                       jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W)))  # [n, H, T, R, W]
             new = jnp.max(_pack(s, r + jax.lax.broadcasted_iota(jnp.int32, s.shape, 3), bits), axis=3)
             old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=3)  # [n, H, T, W]
