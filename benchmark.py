@@ -405,6 +405,8 @@ def benchmark(args):
     if args.search and not any(sizes):
         raise train.UsageError("--search needs a memory size above 0 in --memory-sizes.")
     if args.alternate:
+        if not args.rounds:
+            raise train.UsageError("--alternate (internal) needs --rounds above 0.")
         print(json.dumps(alternate_rows(args.preset, batch, sizes, args.rounds, args.dtype, args.memory_dtype,
                                         args.attention)))
         return 0
