@@ -349,6 +349,18 @@ def run_child(cmd, env=None):
     return proc.returncode, out, err
 
 
+def child_json(cmd, what):
+    """Run a child process that prints one JSON line last: (its object, 0); if it failed, say
+    so in one line with the child's own last line (its error, or the last line of its
+    traceback) and return (None, the exit code to leave with)."""
+    code, stdout, stderr = run_child(cmd)
+    if code:
+        last = (stderr.strip().splitlines() or ["no message"])[-1]
+        print(f"error: {what} failed (exit code {code}): {last}", file=sys.stderr)
+        return None, 130 if code == 130 else 1
+    return json.loads(stdout.strip().splitlines()[-1]), 0
+
+
 def main(argv=None):
     import memorizing_transformer as mt
     import train
@@ -430,22 +442,17 @@ def benchmark(args):
         cmd = common + ["--row", str(m)]
         cmd += ["--profile", args.profile] if args.profile else []
         cmd += ["--train-only"] if args.train_only else []
-        code, stdout, stderr = run_child(cmd)
-        if code:  # the child's own last line (its error, or the last line of its traceback)
-            last = (stderr.strip().splitlines() or ["no message"])[-1]
-            print(f"error: the row with memory size {m} failed (exit code {code}): {last}", file=sys.stderr)
-            return 130 if code == 130 else 1
-        rows.append(json.loads(stdout.strip().splitlines()[-1]))
+        row, code = child_json(cmd, f"the row with memory size {m}")
+        if code:
+            return code
+        rows.append(row)
         print(f"row {m}: step {rows[-1]['step_s']:.4f} s, peak {rows[-1]['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
               f"{rows[-1]['compile_s']:.0f} s", file=sys.stderr)
     if args.rounds:
-        code, stdout, stderr = run_child(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds",
-                                                   str(args.rounds), "--alternate"])
+        paired, code = child_json(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds", str(args.rounds),
+                                            "--alternate"], "the alternated rounds")
         if code:
-            last = (stderr.strip().splitlines() or ["no message"])[-1]
-            print(f"error: the alternated rounds failed (exit code {code}): {last}", file=sys.stderr)
-            return 130 if code == 130 else 1
-        paired = json.loads(stdout.strip().splitlines()[-1])
+            return code
         for r in rows:
             r.update(paired[str(r["memory_size"])])
         print(f"alternated: {args.rounds} rounds", file=sys.stderr)
