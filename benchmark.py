@@ -5,6 +5,7 @@
   python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --steps 3   # one GPU
   python benchmark.py --json rows.json --profile prof/  # also: where each step's time goes
   python benchmark.py --train-only --rounds 21          # also: ratios from steps called in turn
+  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --train-only --compile-jobs 3   # GPU, rows compiled together
 
 Each memory size runs in its own process (so that peak memory is that row's own), compiles
 the jitted train step once, warms up, and reports the median of --steps timed steps
@@ -15,6 +16,14 @@ gives each row the median over the rounds of its step time over the no-memory st
 same round (`paired`, with its min and max, and `/floor`, paired over floor). On a shared
 machine whose speed drifts, this ratio is steadier than `ratio`, whose two medians were
 taken minutes apart; it is the one to compare with the floor there.
+
+--compile-jobs N first compiles every row's train step, N rows at a time in processes of
+their own, into a JAX compilation cache (JAX_COMPILATION_CACHE_DIR if set, else a temporary
+one, removed at the end); the rows are then timed one after another as above, each loading
+its compiled step from the cache. On a GPU a paper row's step compiles for 1-2 minutes
+(H200) and runs in a tenth of a second, so the compiles are most of a run. A row that loads
+its step has no compiler in its process: on a CPU, where `peak MiB` is the process's peak
+RSS, that peak is lower than a row's that compiled.
 
 The floor: training FLOPs with the memory over those without, counting what the memory
 must add and nothing else: one forward-only [T, M] score product per head in each memory
@@ -207,6 +216,16 @@ def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, atten
     return out
 
 
+def compile_row(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit"):
+    """One memory size's train step compiled, not run, in this process (--compile-jobs): with
+    JAX's persistent compilation cache on, the compiled program is written there, and the
+    row's timed process, calling the same step on the same arguments, loads it from there."""
+    _, step, args = row_step(preset, batch, memory_size, dtype, memory_dtype, attention)
+    t0 = time.perf_counter()
+    step.lower(*args).compile()
+    return {"memory_size": memory_size, "compile_s": time.perf_counter() - t0}
+
+
 def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None, attention="explicit",
             train_only=False):
     """One memory size, in this process: returns the row's measurements (with train_only, the
@@ -332,33 +351,100 @@ def search_table(args, base, batch, sizes):
     return 0
 
 
-def run_child(cmd, env=None):
-    """Run one row's process; on Ctrl-C or SIGTERM (KeyboardInterrupt here), stop it before
-    passing the interrupt on, so that no child outlives the benchmark."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def stop(proc):
+    proc.terminate()
     try:
-        out, err = proc.communicate()
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_children(cmds, env=None):
+    """Run these processes at the same time and wait for all; on Ctrl-C or SIGTERM
+    (KeyboardInterrupt here), stop them before passing the interrupt on, so that no child
+    outlives the benchmark. Returns (exit code, stdout, stderr) for each."""
+    procs = []
+    try:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs = [proc.communicate() for proc in procs]
     except BaseException:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for proc in procs:
+            stop(proc)
         raise
-    return proc.returncode, out, err
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outs)]
 
 
-def child_json(cmd, what):
+def run_child(cmd, env=None):
+    """Run one row's process (see run_children)."""
+    return run_children([cmd], env)[0]
+
+
+def child_json(cmd, what, env=None):
     """Run a child process that prints one JSON line last: (its object, 0); if it failed, say
     so in one line with the child's own last line (its error, or the last line of its
     traceback) and return (None, the exit code to leave with)."""
-    code, stdout, stderr = run_child(cmd)
+    return json_or_error(run_child(cmd, env) if env else run_child(cmd), what)
+
+
+def json_or_error(result, what):
+    code, stdout, stderr = result
     if code:
         last = (stderr.strip().splitlines() or ["no message"])[-1]
         print(f"error: {what} failed (exit code {code}): {last}", file=sys.stderr)
         return None, 130 if code == 130 else 1
     return json.loads(stdout.strip().splitlines()[-1]), 0
+
+
+def compile_ahead(common, sizes, jobs, env):
+    """--compile-jobs: every row's train step compiled in processes `jobs` at a time, each
+    into the persistent compilation cache that `env` names, from which the timed rows then
+    load it. Returns ({memory size: seconds its compile took}, 0), or (None, exit code)."""
+    ahead = {}
+    for i in range(0, len(sizes), jobs):
+        group = sizes[i:i + jobs]
+        results = run_children([common + ["--row", str(m), "--compile-only"] for m in group], env)
+        for m, result in zip(group, results):
+            row, code = json_or_error(result, f"compiling the row with memory size {m}")
+            if code:
+                return None, code
+            ahead[m] = row["compile_s"]
+    return ahead, 0
+
+
+def time_rows(args, common, sizes, rows, env):
+    """Each row timed in its own process, one after another (after compiling them all ahead,
+    --compile-jobs), then the rounds (--rounds); the rows are appended to `rows`. Returns 0, or
+    the exit code to leave with."""
+    ahead = {}
+    if args.compile_jobs > 1:
+        t0 = time.perf_counter()
+        ahead, code = compile_ahead(common, sizes, args.compile_jobs, env)
+        if code:
+            return code
+        print(f"compiled ahead: {len(sizes)} rows' train steps in {time.perf_counter() - t0:.0f} s, "
+              f"{min(args.compile_jobs, len(sizes))} at a time", file=sys.stderr)
+    for m in sizes:
+        cmd = common + ["--row", str(m)]
+        cmd += ["--profile", args.profile] if args.profile else []
+        cmd += ["--train-only"] if args.train_only else []
+        row, code = child_json(cmd, f"the row with memory size {m}", env)
+        if code:
+            return code
+        row["compiled_ahead_s"] = ahead.get(m)
+        rows.append(row)
+        print(f"row {m}: step {row['step_s']:.4f} s, peak {row['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
+              f"{row['compile_s']:.0f} s" + (f" (ahead: {ahead[m]:.0f} s)" if m in ahead else ""), file=sys.stderr)
+    if args.rounds:
+        paired, code = child_json(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds", str(args.rounds),
+                                            "--alternate"], "the alternated rounds", env)
+        if code:
+            return code
+        for r in rows:
+            r.update(paired[str(r["memory_size"])])
+        print(f"alternated: {args.rounds} rounds", file=sys.stderr)
+    return 0
 
 
 def main(argv=None):
@@ -386,7 +472,12 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=0, help="also call every row's train step in turn in one process for "
                    "this many rounds, and give each row's median ratio to the no-memory step of the same round "
                    "(the `paired` column; steadier on a shared machine than `ratio`); 0: not done")
+    p.add_argument("--compile-jobs", type=positive_int, default=1, help="first compile every row's train step, this "
+                   "many rows at a time in parallel processes, into a JAX compilation cache that the timed rows then "
+                   "load from; the rows are still timed one after another. For a GPU, where a paper row's step "
+                   "compiles for minutes; 1: each row compiles in its own timed process")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
+    p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # internal: compile --row's step
     p.add_argument("--alternate", action="store_true", help=argparse.SUPPRESS)  # internal: --rounds in this process
     return train.run_main(p, benchmark, argv)
 
@@ -414,6 +505,9 @@ def benchmark(args):
         raise train.UsageError(f"--rounds must be 0 or more, got {args.rounds}.")
     if args.search and args.rounds:
         raise train.UsageError("--search times the search alone: it cannot be combined with --rounds.")
+    if args.search and args.compile_jobs > 1:
+        raise train.UsageError("--search times the search alone, in one process: it cannot be combined with "
+                               "--compile-jobs.")
     if args.search and not any(sizes):
         raise train.UsageError("--search needs a memory size above 0 in --memory-sizes.")
     if args.alternate:
@@ -421,6 +515,9 @@ def benchmark(args):
             raise train.UsageError("--alternate (internal) needs --rounds above 0.")
         print(json.dumps(alternate_rows(args.preset, batch, sizes, args.rounds, args.dtype, args.memory_dtype,
                                         args.attention)))
+        return 0
+    if args.row is not None and args.compile_only:
+        print(json.dumps(compile_row(args.preset, batch, args.row, args.dtype, args.memory_dtype, args.attention)))
         return 0
     if args.row is not None:
         print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile,
@@ -438,24 +535,20 @@ def benchmark(args):
     common = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
               "--steps", str(args.steps), "--dtype", args.dtype, "--attention", args.attention]
     common += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
-    for m in sizes:
-        cmd = common + ["--row", str(m)]
-        cmd += ["--profile", args.profile] if args.profile else []
-        cmd += ["--train-only"] if args.train_only else []
-        row, code = child_json(cmd, f"the row with memory size {m}")
-        if code:
-            return code
-        rows.append(row)
-        print(f"row {m}: step {rows[-1]['step_s']:.4f} s, peak {rows[-1]['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
-              f"{rows[-1]['compile_s']:.0f} s", file=sys.stderr)
-    if args.rounds:
-        paired, code = child_json(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds", str(args.rounds),
-                                            "--alternate"], "the alternated rounds")
-        if code:
-            return code
-        for r in rows:
-            r.update(paired[str(r["memory_size"])])
-        print(f"alternated: {args.rounds} rounds", file=sys.stderr)
+    env, cache = None, None
+    if args.compile_jobs > 1:  # a cache of the caller's, or one of this run's, removed at the end
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="benchmark-jax-cache-")
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        if cache == os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            cache = None
+    try:
+        code = time_rows(args, common, sizes, rows, env)
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    if code:
+        return code
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in rows[0]["device"]), None)
     for r in rows:

@@ -213,7 +213,8 @@ def benchmark_faults():
     plain = [["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--memory-sizes", ","], ["--memory-sizes", "-128"],
              ["--steps", "0"], ["--batch-size", "-1"], ["--preset", "nope"], ["--dtype", "float16"],
              ["--memory-sizes", "0,17179869184"], ["--search", "--train-only"], ["--search", "--memory-sizes", "0"],
-             ["--rounds", "-2"], ["--search", "--rounds", "2"]]
+             ["--rounds", "-2"], ["--search", "--rounds", "2"], ["--compile-jobs", "-1"],
+             ["--search", "--compile-jobs", "3"]]
     workspace = [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "x.json")],
                  lambda ws: ["--profile", str(ws / "afile")]]
     return st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace)

@@ -421,12 +421,21 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
 
 def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_the_ops(tmp_path):
     out = tmp_path / "rows.json"
+    # --compile-jobs with no compilation cache of the test session's: the benchmark makes its
+    # own in TMPDIR, and removes it at the end.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")
     proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2", "--memory-sizes",
                            "512", "--steps", "1", "--train-only", "--json", str(out), "--profile", str(tmp_path / "prof"),
-                           "--rounds", "1"], cwd=HERE, capture_output=True, text=True)
+                           "--rounds", "1", "--compile-jobs", "2"], cwd=HERE, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())
     assert row["step_s"] > 0 and row["peak_bytes"] > 0 and 0.9 <= row["recall"] <= 1.0
+    # --compile-jobs: compiled ahead in another process; the timed row loaded the compiled step
+    # from the cache (its first call, load and step, is shorter than that compile).
+    assert 0 < row["compile_s"] < row["compiled_ahead_s"] and "compiled ahead: 1 rows" in proc.stderr
+    assert not list((tmp_path / "tmp").iterdir())
     # --rounds: the one row is its own base (no size 0 given), so its paired ratio is 1.
     assert row["paired_ratio"] == row["paired_min"] == row["paired_max"] == 1.0 and "paired" in proc.stdout
     assert row["forward_s"] is None and row["forward_ratio"] is None and row["grad_s"] is None
@@ -462,6 +471,27 @@ def test_alternated_rounds_give_each_row_its_steps_over_the_no_memory_steps_of_t
         assert [out[m][k] for k in ("paired_min", "paired_ratio", "paired_max")] == pytest.approx([cost[m]] * 3)
 
 
+def test_compile_ahead_runs_the_rows_jobs_at_a_time_and_stops_at_the_first_failure(monkeypatch, capsys):
+    """benchmark.py --compile-jobs: every row's compile process, `jobs` at a time, all with the
+    environment that names the cache; a failed one is one line naming its row, exit code 1."""
+    import benchmark
+    groups = []
+
+    def fake_run_children(cmds, env):
+        groups.append([int(c[c.index("--row") + 1]) for c in cmds])
+        assert all("--compile-only" in c for c in cmds) and env == {"JAX_COMPILATION_CACHE_DIR": "c"}
+        return [(0, f'{{"compile_s": {m / 512}}}\n', "") if m != 2048 else (1, "", "Traceback\nValueError: no")
+                for m in groups[-1]]
+    monkeypatch.setattr(benchmark, "run_children", fake_run_children)
+    ahead, code = benchmark.compile_ahead(["x"], [0, 512, 1024], 2, {"JAX_COMPILATION_CACHE_DIR": "c"})
+    assert groups == [[0, 512], [1024]] and code == 0 and ahead == {0: 0.0, 512: 1.0, 1024: 2.0}
+    groups.clear()
+    assert benchmark.compile_ahead(["x"], [0, 2048, 512, 1024], 3, {"JAX_COMPILATION_CACHE_DIR": "c"}) == (None, 1)
+    assert groups == [[0, 2048, 512]]
+    assert capsys.readouterr().err == ("error: compiling the row with memory size 2048 failed (exit code 1): "
+                                       "ValueError: no\n")
+
+
 def test_benchmark_search_times_the_three_forms_of_the_search_and_the_top_k_both_ways_and_they_agree(tmp_path, capsys):
     import benchmark
     out = tmp_path / "search.json"
@@ -483,7 +513,7 @@ def test_benchmark_search_times_the_three_forms_of_the_search_and_the_top_k_both
 def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
     import benchmark
     for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"], ["--rounds", "-1"],
-                  ["--search", "--rounds", "3"]):
+                  ["--search", "--rounds", "3"], ["--compile-jobs", "0"], ["--search", "--compile-jobs", "2"]):
         code = benchmark.main(flags)
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (flags, err)
