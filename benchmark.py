@@ -402,6 +402,7 @@ def compile_ahead(common, sizes, jobs, env):
     into the persistent compilation cache that `env` names, from which the timed rows then
     load it. Returns ({memory size: seconds its compile took}, 0), or (None, exit code)."""
     ahead = {}
+    env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # not 75% of a GPU's memory each: they share it
     for i in range(0, len(sizes), jobs):
         group = sizes[i:i + jobs]
         results = run_children([common + ["--row", str(m), "--compile-only"] for m in group], env)

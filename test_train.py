@@ -479,7 +479,8 @@ def test_compile_ahead_runs_the_rows_jobs_at_a_time_and_stops_at_the_first_failu
 
     def fake_run_children(cmds, env):
         groups.append([int(c[c.index("--row") + 1]) for c in cmds])
-        assert all("--compile-only" in c for c in cmds) and env == {"JAX_COMPILATION_CACHE_DIR": "c"}
+        assert all("--compile-only" in c for c in cmds)
+        assert env == {"JAX_COMPILATION_CACHE_DIR": "c", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         return [(0, f'{{"compile_s": {m / 512}}}\n', "") if m != 2048 else (1, "", "Traceback\nValueError: no")
                 for m in groups[-1]]
     monkeypatch.setattr(benchmark, "run_children", fake_run_children)
