@@ -311,6 +311,28 @@ def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(tmp_path, cach
     assert "step     10 | loss" in proc.stdout
 
 
+def test_a_second_run_loads_its_compiled_programs_from_the_cache_dir_and_gives_the_same_numbers(tmp_path, cache):
+    """train.py keeps its compiled programs in --cache-dir's jax/ folder: a second run of the same
+    config compiles nothing (no new entry) and gives the same numbers to the last digit; where
+    JAX_COMPILATION_CACHE_DIR names a cache, that one is used instead."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # not the session's cache
+    compiled = tmp_path / "cache" / "jax"
+
+    def train_run(out, env):
+        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(out), "--cache-dir",
+                              str(tmp_path / "cache")], cwd=HERE, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads((out / "eval.json").read_text()), losses(out)
+
+    first = train_run(tmp_path / "r1", env)
+    entries = sorted(os.listdir(compiled))
+    assert any(e.startswith("jit_step-") for e in entries), entries
+    assert train_run(tmp_path / "r2", env) == first and sorted(os.listdir(compiled)) == entries
+    train_run(tmp_path / "r3", dict(env, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "named")))
+    assert any(e.startswith("jit_step-") for e in os.listdir(tmp_path / "named"))
+    assert sorted(os.listdir(compiled)) == entries
+
+
 def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cache):
     def loss_on(devices, out):
         env = dict(os.environ, JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
