@@ -385,7 +385,7 @@ def child_json(cmd, what, env=None):
     """Run a child process that prints one JSON line last: (its object, 0); if it failed, say
     so in one line with the child's own last line (its error, or the last line of its
     traceback) and return (None, the exit code to leave with)."""
-    return json_or_error(run_child(cmd, env) if env else run_child(cmd), what)
+    return json_or_error(run_child(cmd, env), what)
 
 
 def json_or_error(result, what):
@@ -536,18 +536,18 @@ def benchmark(args):
     common = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
               "--steps", str(args.steps), "--dtype", args.dtype, "--attention", args.attention]
     common += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
-    env, cache = None, None
-    if args.compile_jobs > 1:  # a cache of the caller's, or one of this run's, removed at the end
-        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="benchmark-jax-cache-")
+    env, own_cache = None, None
+    if args.compile_jobs > 1:
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        if not cache:  # one of this run's, removed at the end
+            cache = own_cache = tempfile.mkdtemp(prefix="benchmark-jax-cache-")
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-        if cache == os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-            cache = None
     try:
         code = time_rows(args, common, sizes, rows, env)
     finally:
-        if cache:
-            shutil.rmtree(cache, ignore_errors=True)
+        if own_cache:
+            shutil.rmtree(own_cache, ignore_errors=True)
     if code:
         return code
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])

@@ -425,11 +425,11 @@ def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run,
     code, _, err = call("train", FAST + ["--out", str(tmp_path / "r"), "--cache-dir", locked], capsys)
     assert_refused(code, err, "cache-dir locked")
     assert "--cache-dir" in err and "not a writable directory" in err
-    monkeypatch.setattr(benchmark, "run_child", lambda cmd: pytest.fail("a row ran before --json was checked"))
+    monkeypatch.setattr(benchmark, "run_child", lambda cmd, env=None: pytest.fail("a row ran before --json was checked"))
     code, _, err = call("benchmark", ["--memory-sizes", "0", "--json", str(tmp_path)], capsys)
     assert_refused(code, err, "--json dir")
-    monkeypatch.setattr(benchmark, "run_child", lambda cmd: (1, "", "Traceback (most recent call last):\n  File "
-                                                             "\"x\", line 1\nValueError: boom\n"))
+    monkeypatch.setattr(benchmark, "run_child", lambda cmd, env=None: (1, "", "Traceback (most recent call last):\n"
+                                                                       "  File \"x\", line 1\nValueError: boom\n"))
     code, _, err = call("benchmark", ["--memory-sizes", "0"], capsys)
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err and "ValueError: boom" in err
 
