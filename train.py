@@ -805,9 +805,9 @@ def use_compilation_cache(cache_dir):
     """Keep the compiled programs in cache_dir/jax (JAX's persistent compilation cache), unless
     JAX_COMPILATION_CACHE_DIR already names a cache. A later run with the same config loads its
     programs instead of compiling them: it starts sooner, and its steps run faster. On the
-    2-core EPYC a process that has compiled a program runs the tiny step about 17% slower than
-    one that loaded it, for a reason not found (see the README's "On a CPU"); a run with the
-    cache warm gives the same numbers to the last digit."""
+    2-core EPYC a process that has compiled a program runs the tiny step about 16% slower than
+    one that loaded it (malloc searching the compiler's freed leftovers: the README's "On a
+    CPU"); a run with the cache warm gives the same numbers to the last digit."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir, "jax"))
