@@ -200,14 +200,17 @@ def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, atten
     else the first) in the same round: on a shared, noisy machine a steadier ratio than that of
     medians taken minutes apart in separate processes."""
     import jax
+    import train
     runs = {m: row_step(preset, batch, m, dtype, memory_dtype, attention)[1:] for m in sizes}
     times = {m: [] for m in sizes}
-    for _ in range(rounds + 2):
+    for i in range(rounds + 2):
         for m, (step, a) in runs.items():
             t0 = time.perf_counter()
             a[0], a[1], a[2], metrics = step(*a)
             jax.block_until_ready(metrics)
             times[m].append(time.perf_counter() - t0)
+        if i == 0:  # every step compiled
+            train.fill_heap_holes()
     base = 0 if 0 in sizes else sizes[0]
     out = {}
     for m in sizes:
@@ -233,6 +236,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
+    import train
     c, step, (params, opt_state, state, batch_arrays) = row_step(preset, batch, memory_size, dtype, memory_dtype,
                                                                  attention)
     tokens = batch_arrays["tokens"]
@@ -240,6 +244,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
     params, opt_state, state, m = step(params, opt_state, state, batch_arrays)  # compile + first step
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    train.fill_heap_holes()  # as train.py does after its first step (each compile below, too)
     times = []
     for _ in range(steps + 1):  # one more warm-up step, then the timed ones
         t0 = time.perf_counter()
@@ -255,14 +260,17 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             params, opt_state, state, m = step(params, opt_state, state, batch_arrays)
             jax.block_until_ready(m)
         hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
+        train.fill_heap_holes()
         top_ops = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")[:15]
     fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
     fwd_times = []
-    for _ in range(0 if train_only else steps + 2):
+    for i in range(0 if train_only else steps + 2):
         t0 = time.perf_counter()
         logits, state = fwd(params, state, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
         jax.block_until_ready(logits)
         fwd_times.append(time.perf_counter() - t0)
+        if i == 0:
+            train.fill_heap_holes()
     # The gradient against the forward pass it differentiates (forward + loss, same state);
     # in the no-memory row only, where the memory's search (not differentiated) is absent.
     loss_s = grad_s = None
@@ -272,11 +280,13 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             return mt.loss(logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool))
         timed = {"loss": jax.jit(loss), "grad": jax.jit(jax.grad(loss))}
         times = {name: [] for name in timed}
-        for _ in range(steps + 2):
+        for i in range(steps + 2):
             for name, f in timed.items():  # interleaved, so that both see the same machine
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(params, state))
                 times[name].append(time.perf_counter() - t0)
+            if i == 0:
+                train.fill_heap_holes()
         loss_s, grad_s = (statistics.median(times[name][2:]) for name in timed)
     train_f, fwd_f = train_flops(c, batch, memory_size)
     return {"memory_size": memory_size, "step_s": step_s,

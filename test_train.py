@@ -155,6 +155,40 @@ def test_a_steps_freed_host_memory_is_reused_not_faulted_in_anew():
     assert sum(faults) < 20 * 16384 and sum(f < 1000 for f in faults) >= 20, faults
 
 
+HOLES = """
+import ctypes, json, sys
+import train
+if not train.keep_freed_host_memory():
+    sys.exit(print("unsupported"))
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = [libc.malloc(4096) for _ in range(4000)]
+holes = blocks[::2]
+for b in holes:  # 2000 holes of 4 KiB, each between two blocks still in use
+    libc.free(b)
+taken = train.fill_heap_holes()
+new = [libc.malloc(4096) for _ in range(200)]
+print(json.dumps({"taken": taken, "reused": len(set(new) & set(holes))}))
+"""
+
+
+def test_fill_heap_holes_takes_every_hole_so_that_new_blocks_come_from_elsewhere():
+    """fill_heap_holes (train.py calls it after its compiles): in the one heap that
+    keep_freed_host_memory makes, every freed block of 1 KiB or more is taken for good, so a
+    new block is never one of them. Without it, glibc hands the freed 4 KiB blocks out again.
+    In a fresh process, as a script's (see the test above)."""
+    proc = subprocess.run([sys.executable, "-c", HOLES], cwd=HERE, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    if proc.stdout.strip() == "unsupported":
+        pytest.skip("the setting exists on Linux with glibc only")
+    out = json.loads(proc.stdout)
+    assert out["taken"] >= 2000 and out["reused"] == 0, out
+    without = subprocess.run([sys.executable, "-c", HOLES.replace("train.fill_heap_holes()", "0")], cwd=HERE,
+                             capture_output=True, text=True)
+    assert json.loads(without.stdout)["reused"] > 100  # the holes are there to be taken
+
+
 def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
     init, update = train.adafactor(0.1)
     p = {"embed": jnp.ones((64, 48))}
