@@ -519,7 +519,9 @@ def fill_heap_holes(smallest=1024, largest=2 ** 26):
     while size >= smallest:
         end = libc.sbrk(0)
         block = libc.malloc(size)
-        if libc.sbrk(0) == end:  # it came from a hole (or the top's spare room, which trim emptied)
+        if not block:  # no memory for it at all
+            size //= 2
+        elif libc.sbrk(0) == end:  # it came from a hole (or the top's spare room, which trim emptied)
             _HOLE_FILLERS.append(block)
             taken += 1
         else:  # no hole of this size is left: give the new room back and try half the size
