@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG_INF = -1e30  # finite "minus infinity": masked logits never produce NaN gradients
-CPU_WINNERS_BYTES = 2 ** 21  # memory_search on a CPU: the bin winners of a block of batch rows
+# memory_search: the most bytes of bin winners a block of batch rows keeps, by backend
+# (absent: all rows at once)
+WINNERS_BYTES = {"cpu": 2 ** 21}
 
 
 # ----------------------------------------------------------------------------- config
@@ -512,8 +514,8 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=None, batch_block=Non
 
     batch_block: the binned search takes this many batch rows at a time (the largest divisor
     of B that is at most this), each block to its top-k before the next starts; the answer
-    does not depend on it (the tests hold 1 and B equal). None: on a CPU, as many rows as
-    keep the block's winners within CPU_WINNERS_BYTES (2 MiB; `tiny`: 2 of its 8 rows), so
+    does not depend on it (the tests hold 1 and B equal). None: as many rows as keep the
+    block's winners within the backend's WINNERS_BYTES. On a CPU 2 MiB (`tiny`: 2 of its 8 rows), so
     that the winners, read and written by every piece, and each piece's scores stay in the
     caches (on the 2-core EPYC: the `tiny` train step 9 ms faster at 8K and 30-45 ms at 65K,
     about a quarter of the search's time); elsewhere all rows at once, which a GPU fills.
@@ -558,8 +560,9 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=None, batch_block=Non
     else:  # where a bin is taller than a piece, a piece is part of one bin
         R = _largest_divisor_at_most(rows, config.memory_chunk)
         W = _largest_divisor_at_most(L, config.memory_chunk // R)
-    if batch_block is None:  # on a CPU, as many batch rows as keep their winners within 2 MiB
-        batch_block = max(1, CPU_WINNERS_BYTES // (H * T * L * 4)) if cpu else B
+    if batch_block is None:  # as many batch rows as keep their winners within the backend's budget
+        budget = WINNERS_BYTES.get(jax.default_backend())
+        batch_block = B if budget is None else max(1, budget // (H * T * L * 4))
     n = _largest_divisor_at_most(B, batch_block)
 
     def search_rows(b):  # batch rows b .. b + n - 1
