@@ -461,7 +461,7 @@ def time_rows(args, common, sizes, rows, env):
 def main(argv=None):
     import memorizing_transformer as mt
     import train
-    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=train.HelpFormatter)
     positive_int = train.positive_int
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny", help="model config to time")
     p.add_argument("--batch-size", type=positive_int, help="batch rows (preset's value if unset)")

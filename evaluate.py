@@ -653,7 +653,7 @@ def build_parser():
     positive, count = train.positive_int, train.count
 
     def with_run(name, help):
-        s = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        s = sub.add_parser(name, help=help, formatter_class=train.HelpFormatter)
         s.add_argument("run_dir", help="a train.py output directory")
         s.add_argument("--data", help="corpus (default: the run's own)")
         s.add_argument("--data-format", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
@@ -692,7 +692,7 @@ def build_parser():
     s.add_argument("--json", help="write the result here")
     s = sub.add_parser("reach", help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
                        "documents with references D tokens back (the needle test)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=train.HelpFormatter)
     s.add_argument("run_dir", help="a train.py output directory of a run trained on --data synthetic")
     s.add_argument("--distances", type=positive_ints, default="1024,4096,16384,61440",
                    help="comma-separated: how many tokens back each probe's value was defined")
@@ -700,12 +700,12 @@ def build_parser():
                    help="comma-separated memory sizes M to evaluate the same weights with (multiples of T)")
     s.add_argument("--docs", type=positive, default=8, help="documents per distance, 8 probes each")
     s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
-                   "approximate top-k; None: the run's")
+                   "approximate top-k (default: the run's)")
     s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
     s.add_argument("--json", help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
                    "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
     s = sub.add_parser("finetune", help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
-                       "memory from scratch for the same total steps", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "memory from scratch for the same total steps", formatter_class=train.HelpFormatter)
     s.add_argument("--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run")
     s.add_argument("--data", default="synthetic", help="corpus of every run")
     s.add_argument("--steps", type=positive, default=1500, help="steps without memory")
@@ -723,7 +723,7 @@ def build_parser():
                    "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one resumed; "
                    "finetune.json (or finetune_fresh_start.json) is written here")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=train.HelpFormatter)
     s.add_argument("--data", default="stdlib", help="corpus for every row")
     s.add_argument("--steps", type=positive, default=1200, help="training steps per row")
     s.add_argument("--segment-length", type=positive, help="T (tiny preset's if unset)")
@@ -732,8 +732,9 @@ def build_parser():
     s.add_argument("--seeds", type=positive, default=1, help="train each row with seeds 0..N-1 (init and data "
                    "order) and report the mean and standard deviation")
     s.add_argument("--init-gate-bias", type=train.finite_float, help="the memory rows' initial gate bias (train.py's "
-                   "--init-gate-bias); use another --out-root for the runs")
-    s.add_argument("--rows", help="comma-separated subset of the rows: " + ", ".join(n for n, _, _ in TABLE_ROWS))
+                   "--init-gate-bias; default: the preset's); use another --out-root for the runs")
+    s.add_argument("--rows", help="comma-separated subset of the rows (default: all): " +
+                   ", ".join(n for n, _, _ in TABLE_ROWS))
     s.add_argument("--out-root", default="runs/table", help="where the runs go; a row whose run finished at --steps "
                    "is reused, an unfinished one is resumed")
     return p

@@ -84,7 +84,7 @@ def generate(params, config, prompt, num_tokens, temperature=1.0, top_k=None, se
 
 
 def build_parser():
-    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=train.HelpFormatter)
     p.add_argument("run_dir", help="a train.py output directory")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
@@ -92,10 +92,11 @@ def build_parser():
     prompt.add_argument("--prompt-doc", type=train.count, metavar="N", help="validation document N of the run's "
                         "corpus (as evaluate.py numbers them), cut at --prompt-tokens")
     p.add_argument("--prompt-tokens", type=train.positive_int, help="with --prompt-doc: the first this many "
-                   "tokens are the prompt (None: the whole document)")
+                   "tokens are the prompt (default: the whole document)")
     p.add_argument("--tokens", type=train.positive_int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=train.finite_float, default=1.0, help="0 = greedy (argmax)")
-    p.add_argument("--top-k", type=train.positive_int, help="draw only from the K most likely tokens")
+    p.add_argument("--top-k", type=train.positive_int, help="draw only from the K most likely tokens "
+                   "(default: from all of them)")
     p.add_argument("--seed", type=train.int_at_least(0, 2 ** 32 - 1), default=0, help="seed of the draws")
     p.add_argument("--memory-size", type=train.count, help="memory slots M (default: the run's)")
     p.add_argument("--memory-off", action="store_true", help="force every gate to 0: local attention and XL "

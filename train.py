@@ -210,9 +210,11 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
     state = mt.init_state(config, rows)
     total, count = 0.0, 0
     ref_ce, ref_dist = [], []
-    for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
+    for i, batch in enumerate(data.SegmentBatches(docs, rows, config.segment_length, epochs=1)):
         state, ce = eval_step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
         ce = np.asarray(ce, np.float64)
+        if i == 0:  # the step is compiled now (if it was not before): fill the compiler's holes
+            fill_heap_holes()
         total, count = total + float(ce.sum()), count + int(batch["mask"].sum())
         for b in range(rows) if distances is not None else ():
             n = int(batch["mask"][b].sum())
@@ -400,6 +402,16 @@ def check_fits(config, batch_size):
 
 
 # ----------------------------------------------------------------------------- the command line
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, except where the help already says it, or where there
+    is none to show (None: the help says what an unset flag means)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, except that a bad flag is one line on stderr (not the usage, then the error)."""
 
@@ -584,8 +596,8 @@ def config_from_args(args, base=None):
 
 
 def build_parser():
-    p = Parser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022).",
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022). A model or training flag left "
+               "unset takes the --preset's value.", formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny",
                    help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
                    "2-layer recipe that learns the synthetic task, README)")
@@ -897,7 +909,6 @@ def train(args):
                 t_log, tokens_since = time.time(), 0
             if args.eval_every and step % args.eval_every == 0 and step < config.steps:
                 log.write(json.dumps(eval_record(step, params, config, valid_tokens, valid_distances, eval_step)) + "\n")
-                fill_heap_holes()  # after the evaluation's compiles
             if step % args.save_every == 0 or step == config.steps or stop["signal"]:
                 save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position())
             if stop["signal"]:
