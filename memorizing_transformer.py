@@ -493,10 +493,11 @@ def top_k(x, k):
 
 
 def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None):
-    """Top-k memory slots for every query, without ever building the [B, H, T, M] scores.
+    """Top-k memory slots for every query, the memory scored a piece at a time: never more
+    than [B, H, T, config.memory_chunk] scores at once.
 
     q: [B, H, T, D]; mem_k: [B, H, M, D]; mem_valid: [B, M] -> scores, slots: [B, H, T, K].
-    The memory is scored a piece of at most config.memory_chunk slots at a time. Exact
+    Exact
     (config.exact_topk): each contiguous piece's top-k are candidates, and the top-k of all
     candidates is the answer. Binned (Sec. 3.3): slot s is in bin s mod L (row s // L), so
     slots written one after the other, whose keys resemble each other, never share a bin,
