@@ -141,7 +141,7 @@ PRESETS = {
     # memory in the 9th layer, M = 8192, k = 32; 2^17 tokens a batch = 256 rows of 512.
     # 8 micro-batches of 32 rows on one accelerator. The memory is searched 8192 slots at a
     # time (2 GiB of bf16 scores at batch 32): on an H200, in whole bins, the 65K train step
-    # 7.4 ms faster than with 1024, 9 ms in whole rows; 8K as before (README, "On a GPU").
+    # 7.4 ms faster than with 1024, 9 ms in whole rows; 8K within 1% (README, "On a GPU").
     "paper": Config(grad_accum=8, memory_chunk=8192),
     # One GPU, a few minutes.
     "small": Config(vocab_size=8192, d_model=512, num_layers=8, num_heads=8, head_dim=64, d_ff=2048,
