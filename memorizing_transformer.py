@@ -492,31 +492,7 @@ def top_k(x, k):
     return jax.lax.top_k(x, k)
 
 
-def top_k_of_winners(best, bits, k, sort_keys=False):
-    """The k best of the bins' winners, best [..., L] (_pack's keys, the row in the low `bits`
-    bits) -> scores, slots [..., k], slot = row * L + bin, the lower bin first among equal
-    scores (as lax.top_k).
-
-    sort_keys False: the scores unpacked, and top_k of them, which sorts them with their
-    positions (two arrays). True: the bin goes into the key too, as L - 1 - bin above the
-    row, and one sort of the keys alone gives scores, rows and bins. That takes the low
-    bits + log2(L) bits of the scores (log2(M) in all); it is exact only where those bits
-    are 0: bfloat16 scores (16 zero low bits once widened) and M <= 2 ** 16.
-    """
-    L = best.shape[-1]
-    if not sort_keys:
-        vals, row = _unpack(best, bits)  # [..., L]
-        top, pos = top_k(vals, k)  # [..., k]
-        return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
-    lbits = (L - 1).bit_length()
-    flipped = (L - 1 - jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1)) << bits  # [..., L]
-    keys = (best & ~((1 << (bits + lbits)) - 1)) | flipped | (best & ((1 << bits) - 1))  # [..., L]
-    top = jnp.flip(jnp.sort(keys, axis=-1)[..., L - k:], axis=-1)  # [..., k], best first
-    vals, low = _unpack(top, bits + lbits)
-    return vals, (low & ((1 << bits) - 1)) * L + (L - 1 - (low >> bits))
-
-
-def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None, sort_keys=None):
+def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None):
     """Top-k memory slots for every query, the memory scored a piece at a time: never more
     than [B, H, T, config.memory_chunk] scores at once.
 
@@ -550,9 +526,6 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     at 65K, about a quarter of the search's time); elsewhere all rows at once: on an H200,
     blocks of 16 or 8 of the paper preset's 32 rows made its 8K step 1.3-1.5 ms slower and
     left its peak memory as it was.
-
-    sort_keys (top_k_of_winners): None is True where it is exact (bfloat16 queries, M <= 2 **
-    16), except on a CPU, where the winners' top-k goes in passes.
     """
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
@@ -591,8 +564,6 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     else:  # where a bin is taller than a piece, a piece is part of one bin
         R = _largest_divisor_at_most(rows, config.memory_chunk)
         W = _largest_divisor_at_most(L, config.memory_chunk // R)
-    if sort_keys is None:  # where no score loses a bit to the bin (below)
-        sort_keys = jax.default_backend() != "cpu" and qs.dtype == jnp.bfloat16 and M <= 2 ** 16
     if batch_block is None:  # as many batch rows as keep their winners within the backend's budget
         budget = WINNERS_BYTES.get(jax.default_backend())
         batch_block = B if budget is None else max(1, budget // (H * T * L * 4))
@@ -611,7 +582,9 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
 
         start = jnp.full((n, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
         best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
-        return top_k_of_winners(best, bits, K, sort_keys)  # [n, H, T, K] each
+        vals, row = _unpack(best, bits)  # [n, H, T, L]
+        top, pos = top_k(vals, K)  # [n, H, T, K]
+        return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
 
     keys, valid = mem_k.reshape(B, H, rows, L, D), mem_valid.reshape(B, rows, L)
     if n == B:
