@@ -38,9 +38,8 @@ preset's shapes, random unit keys, every slot valid), in its three forms called 
 one process: binned in pieces of whole rows, binned in pieces of whole bins (the two give
 the same answer; which is faster depends on the backend), and exact. Its recall is that of
 the binned answer against the exact one on the same keys. It also times the search's last
-stage alone, the top-k of the bins' winners, by lax.top_k, in passes (top_k_in_passes,
-which a CPU uses) and in rounds of 16 of keys that carry their bins (top_k_of_winners, which
-a GPU uses for bfloat16 scores), and checks that the three agree.
+stage alone, the top-k of the bins' winners, by lax.top_k and in passes (top_k_in_passes,
+which a CPU uses), and checks that the two agree.
 """
 import os
 import signal
@@ -319,11 +318,8 @@ def time_search(c, batch, memory_size, steps):
     fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide: mt.memory_search(q, k, valid, scale, cfg, wide)[1])
            for name, (cfg, wide) in forms.items()}
     L = mt.num_topk_bins(K, memory_size, c.topk_recall_target)
-    # Random winners, bfloat16 values (as a GPU's bf16 scores: what the rounds need).
-    winners = jax.random.normal(kw, (batch, H, T, L), jnp.bfloat16).astype(jnp.float32)  # [B, H, T, L]
-    rounds = lambda x: mt.top_k_of_winners(mt._pack(x, 0, 0), 0, K, True)[1]
-    topks = {"lax": jax.jit(lambda x: jax.lax.top_k(x, K)[1]), "passes": jax.jit(lambda x: mt.top_k_in_passes(x, K)[1]),
-             "rounds": jax.jit(rounds)}
+    winners = jax.random.normal(kw, (batch, H, T, L), jnp.float32)  # [B, H, T, L]
+    topks = {"lax": jax.jit(lambda x: jax.lax.top_k(x, K)[1]), "passes": jax.jit(lambda x: mt.top_k_in_passes(x, K)[1])}
     calls = {**{name: (f, (q, keys)) for name, f in fns.items()},
              **{"top_k_" + name: (f, (winners,)) for name, f in topks.items()}}
     out = {name: np.asarray(f(*a)) for name, (f, a) in calls.items()}  # compile + warm-up
@@ -338,8 +334,7 @@ def time_search(c, batch, memory_size, steps):
             "top_k_s": {name: median["top_k_" + name] for name in topks}, "bins": L,
             "recall": recall(out["whole_rows"], out["exact"]),
             "same_slots": float(np.mean(out["whole_rows"] == out["whole_bins"])),
-            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])),
-            "rounds_same": float(np.mean(out["top_k_lax"] == out["top_k_rounds"])), "device": device_name()}
+            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])), "device": device_name()}
 
 
 def search_table(args, base, batch, sizes):
@@ -351,17 +346,16 @@ def search_table(args, base, batch, sizes):
           f"B {batch}, H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries "
           f"{args.dtype}, memory in {c.storage_dtype}, median of {args.steps} calls of each form in turn")
     print(f"\n{'memory':>8} {'bins':>6} {'whole rows ms':>14} {'whole bins ms':>14} {'exact ms':>9} {'recall':>7} "
-          f"{'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7} {'rounds ms':>10} {'same':>7}")
+          f"{'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}")
     for r in rows:
         t, k = r["search_s"], r["top_k_s"]
         print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
               f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} "
-              f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f} {k['rounds'] * 1e3:>10.2f} {r['rounds_same']:>7.4f}")
+              f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
     print("recall: the binned slots found among the exact top-k; same slots: the share on which the two binned "
           "forms agree (1: they keep the same bins' maxima); top-k, in passes: the top-k of the bins' winners alone, "
           "by lax.top_k and by top_k_in_passes (a CPU's memory_search uses the passes), and the share of positions "
-          "on which they agree (must be 1); rounds: the same in rounds of 16 of keys that carry their bins "
-          "(top_k_of_winners, a GPU's form for bf16 scores), and its share of agreement with lax.top_k (must be 1)")
+          "on which they agree (must be 1)")
     if args.json:
         train.atomic_write(args.json, json.dumps(rows, indent=2))
     return 0
@@ -485,7 +479,7 @@ def main(argv=None):
                    "table (three programs fewer to compile per row, for a short lease on an accelerator)")
     p.add_argument("--search", action="store_true", help="time the memory search alone, in its three forms (binned "
                    "in whole rows or whole bins, and exact), with the binned answer's recall, and its final top-k "
-                   "alone, by lax.top_k, in passes and in rounds; memory size 0 is skipped")
+                   "alone, by lax.top_k and in passes; memory size 0 is skipped")
     p.add_argument("--rounds", type=int, default=0, help="also call every row's train step in turn in one process for "
                    "this many rounds, and give each row's median ratio to the no-memory step of the same round "
                    "(the `paired` column; steadier on a shared machine than `ratio`); 0: not done")

@@ -492,55 +492,7 @@ def top_k(x, k):
     return jax.lax.top_k(x, k)
 
 
-def top_k_in_rounds(x, k, most=16, n_min=1024):
-    """jax.lax.top_k(x, k)'s values for x whose entries in a row are distinct (or -inf), as
-    rounds of at most `most` largest, each round's entries then set to -inf.
-
-    On a GPU, XLA has a fast kernel for the top-k of rows of at least 1024 entries with k <=
-    16 (its TopkSpecializer); any other top-k is a sort of each row, values and positions
-    together. So the rows are padded to 1024 with -inf and taken 16 at a time.
-    """
-    *lead, L = x.shape
-    x = x.reshape(-1, L)
-    if L < n_min:
-        x = jnp.pad(x, ((0, 0), (0, n_min - L)), constant_values=-jnp.inf)
-    vals = []
-    while k > 0:
-        v, _ = jax.lax.top_k(x, min(most, k))  # [rows, <= most]
-        vals.append(v)
-        k -= v.shape[-1]
-        if k > 0:  # distinct entries: exactly the round's are >= its smallest
-            x = jnp.where(x >= v[:, -1:], -jnp.inf, x)
-    return jnp.concatenate(vals, axis=-1).reshape(*lead, -1)
-
-
-def top_k_of_winners(best, bits, k, rounds=False):
-    """The k best of the bins' winners, best [..., L] (_pack's keys, the row in the low `bits`
-    bits) -> scores, slots [..., k], slot = row * L + bin, the lower bin first among equal
-    scores (as lax.top_k).
-
-    rounds False: the scores unpacked, and top_k of them. True (a GPU's form): the bin goes
-    into the key too, as L - 1 - bin above the row, which makes every key of a row distinct,
-    and the keys, read back as floats in the same order, go to top_k_in_rounds; each value
-    found carries its score, row and bin. That takes the low bits + log2(L) bits of the
-    scores (log2(M) in all), so it is exact only where those bits are 0: bfloat16 scores
-    (16 zero low bits once widened) and M <= 2 ** 16.
-    """
-    L = best.shape[-1]
-    if not rounds:
-        vals, row = _unpack(best, bits)  # [..., L]
-        top, pos = top_k(vals, k)  # [..., k]
-        return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
-    lbits = (L - 1).bit_length()
-    flipped = (L - 1 - jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1)) << bits  # [..., L]
-    keys = (best & ~((1 << (bits + lbits)) - 1)) | flipped | (best & ((1 << bits) - 1))  # [..., L]
-    as_float, _ = _unpack(keys, 0)  # [..., L]: the keys as floats, in the same order
-    top = _pack(top_k_in_rounds(as_float, k), 0, 0)  # [..., k]: back to keys, best first
-    vals, low = _unpack(top, bits + lbits)
-    return vals, (low & ((1 << bits) - 1)) * L + (L - 1 - (low >> bits))
-
-
-def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None, rounds=None):
+def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None):
     """Top-k memory slots for every query, the memory scored a piece at a time: never more
     than [B, H, T, config.memory_chunk] scores at once.
 
@@ -574,9 +526,6 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     at 65K, about a quarter of the search's time); elsewhere all rows at once: on an H200,
     blocks of 16 or 8 of the paper preset's 32 rows made its 8K step 1.3-1.5 ms slower and
     left its peak memory as it was.
-
-    rounds (top_k_of_winners): None is True on a GPU where it is exact (bfloat16 queries, M
-    <= 2 ** 16).
     """
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
@@ -615,8 +564,6 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     else:  # where a bin is taller than a piece, a piece is part of one bin
         R = _largest_divisor_at_most(rows, config.memory_chunk)
         W = _largest_divisor_at_most(L, config.memory_chunk // R)
-    if rounds is None:  # where the bins fit in the scores' free low bits (top_k_of_winners)
-        rounds = jax.default_backend() == "gpu" and qs.dtype == jnp.bfloat16 and M <= 2 ** 16
     if batch_block is None:  # as many batch rows as keep their winners within the backend's budget
         budget = WINNERS_BYTES.get(jax.default_backend())
         batch_block = B if budget is None else max(1, budget // (H * T * L * 4))
@@ -635,7 +582,9 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
 
         start = jnp.full((n, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
         best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
-        return top_k_of_winners(best, bits, K, rounds)  # [n, H, T, K] each
+        vals, row = _unpack(best, bits)  # [n, H, T, L]
+        top, pos = top_k(vals, K)  # [n, H, T, K]
+        return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
 
     keys, valid = mem_k.reshape(B, H, rows, L, D), mem_valid.reshape(B, rows, L)
     if n == B:

@@ -388,43 +388,6 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), memory_size=st.sampled_from([64, 1024, 1280]), fill=st.sampled_from([20, 64, 1280]))
-def test_top_k_in_rounds_of_keys_with_their_bins_equals_top_k_of_the_unpacked_winners(seed, memory_size, fill):
-    """The winners' top-k in rounds of keys that carry their bins (a GPU's form for bfloat16)
-    gives the same scores and slots, bit for bit, as top_k of the unpacked scores, ties
-    included (few distinct bf16 scores: the lower bin first). M = 64: a bin per slot; 1024:
-    128 bins of 8; 1280: 160 bins, not a power of two. K = 20: a round of 16 and one of 4."""
-    rng = np.random.default_rng(seed)
-    cfg = SMALL.replace(memory_size=memory_size, memory_chunk=256, num_neighbors=20)
-    B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, memory_size
-    q = jnp.asarray(rng.integers(-2, 3, (B, H, T, D)) / 4, jnp.bfloat16)
-    mk = jnp.asarray(rng.integers(-2, 3, (B, H, M, D)) / 4, jnp.bfloat16)
-    valid = np.zeros((B, M), bool)
-    valid[:, rng.choice(M, min(fill, M), replace=False)] = True
-    search = jax.jit(mt.memory_search, static_argnums=(4, 5, 6, 7))
-    scores, slots = search(q, mk, valid, jnp.ones(H), cfg, True, None, False)
-    ties = (scores[..., 1:] == scores[..., :-1]) & (scores[..., 1:] > mt.NEG_INF / 2)  # [B, H, T, K - 1]
-    assert np.mean(np.any(ties, axis=-1)) > 0.5  # most queries' answers hold equal valid scores
-    for wide in [True, False]:
-        got_scores, got_slots = search(q, mk, valid, jnp.ones(H), cfg, wide, None, True)
-        np.testing.assert_array_equal(got_scores, scores)
-        np.testing.assert_array_equal(got_slots, slots)
-
-
-@SETTINGS
-@given(seed=st.integers(0, 2 ** 16), L=st.sampled_from([40, 512, 1500]), k=st.sampled_from([1, 16, 17, 32]),
-       most=st.sampled_from([5, 16]))
-def test_top_k_in_rounds_equals_lax_top_k_on_distinct_entries(seed, L, k, most):
-    """Rounds of at most `most` (5 or 16) of rows shorter and longer than the 1024 they are
-    padded to, k one round, a round and one more, several rounds; -inf entries included."""
-    rng = np.random.default_rng(seed)
-    x = 2 * rng.permutation(8 * L).reshape(8, L).astype(np.float32) - 8 * L  # distinct, even, both signs
-    x[rng.random(x.shape) < 0.1] = -np.inf
-    x[:, :k] = 2 * np.arange(k) + 1  # at least k finite entries a row, odd: still distinct
-    np.testing.assert_array_equal(mt.top_k_in_rounds(jnp.asarray(x), k, most), jax.lax.top_k(x, k)[0])
-
-
-@SETTINGS
 @given(seed=st.integers(0, 2 ** 16), shape=st.sampled_from([(3, 5, 16), (7, 16), (2, 40), (4, 3, 96), (2, 3, 512)]),
        k=st.sampled_from([1, 5, 16]))
 @example(seed=0, shape=(7, 16), k=5)  # 7 rows in blocks of 4: the last block padded
