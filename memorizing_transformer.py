@@ -321,8 +321,8 @@ def position_bias(rel_bias, buckets, one_hot=None):
 def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     """Sec. 3: causal self-attention over [XL cache; segment] with a sliding window and T5 bias.
 
-    q: [B, H, T, D]; k, v: [B, H, S, D] with S = C + T, the cache first; key_valid: [B, S].
-    Query t sits at position C + t; key s is visible iff 0 <= (C + t) - s <= T, that is,
+    q: [B, H, T, D]; k, v: [B, H, S, D] with S = C + T, the cache first; key_valid: [B, S]
+    (query t is valid iff key C + t is; a padding query gets 0). Query t sits at position C + t; key s is visible iff 0 <= (C + t) - s <= T, that is,
     each token sees itself and at most the previous segment_length tokens.
 
     A query sees at most T + 1 of the S keys, so the queries go in n blocks of Q, and each
@@ -354,8 +354,9 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     # not over [.., W]. The max only keeps exp() in range; it cancels, so it needs no gradient.
     e = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))  # [B, H, n, Q, W]
     out = jnp.einsum("bhnqw,bhnwd->bhnqd", e.astype(v.dtype), vb, preferred_element_type=jnp.float32)
-    any_valid = jnp.any(valid, axis=-1)[:, None, ..., None]  # [B, 1, n, Q, 1]: a padding query may see nothing
-    out = (out / jnp.sum(e, axis=-1, keepdims=True) * any_valid).astype(v.dtype)  # [B, H, n, Q, D]
+    # A padding query gets 0. Every other query sees at least its own key.
+    q_valid = key_valid[:, S - T:].reshape(B, 1, n, Q, 1)  # [B, 1, n, Q, 1]
+    out = (out / jnp.sum(e, axis=-1, keepdims=True) * q_valid).astype(v.dtype)  # [B, H, n, Q, D]
     return out.reshape(B, H, T, D)
 
 
@@ -370,26 +371,44 @@ def fused_implementation(dtype, T, S, D):
 
 def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     """local_attention as one call of jax.nn.dot_product_attention (config.attention "fused"),
-    in that call's layout: q [B, T, H, D]; k, v [B, S, H, D] -> [B, T, H, D].
+    in that call's layout: q [B, T, H, D]; k, v [B, S, H, D] (the cache first) -> [B, T, H, D].
 
-    The T5 bias goes in as an additive bias [1, H, T, S] (its gradient reaches the bias
-    table), the window and the keys' validity as a boolean mask [B, 1, T, S]. The kernel
-    keeps no [B, H, T, S] probabilities for the backward pass, but it scores all S keys, not
-    only the T + 1 of each window. On cuDNN the bias is bfloat16, like the logits it meets.
+    The call's own masks are per row only as key lengths: key s < length[b] is valid. So the
+    keys go in as [segment; cache], and length = T + the cache's valid count. That is exact
+    when each row's valid keys are a prefix of the segment and a prefix of the cache, as
+    data.py makes them (padding only at a segment's end; forward() checks it): a valid query
+    sees only earlier keys of its segment, all valid, and the cache's first valid ones.
+    The window and the T5 bias are then one bias [1, H, T, S] for all rows (its gradient
+    reaches the bias table), not a [B, H, T, S] bias built from a mask. A padding query gets
+    0, as in local_attention. The kernel keeps no [B, H, T, S] probabilities for the
+    backward pass, but it scores all S keys, not only the T + 1 of each window. On cuDNN the
+    bias is bfloat16, like the logits it meets.
     """
     B, T, H, D = q.shape
     S = k.shape[1]
-    dist = (S - T + np.arange(T))[:, None] - np.arange(S)[None, :]  # [T, S]: query minus key position
+    C = S - T
+    order = np.concatenate([np.arange(C, S), np.arange(C)])  # [segment; cache]
+    k, v = k[:, order], v[:, order]
+    dist = (C + np.arange(T))[:, None] - order[None, :]  # [T, S]: query minus key position
     window, buckets = window_and_buckets(dist, config)  # [T, S] each
     impl = fused_implementation(q.dtype, T, S, D)
-    bias = position_bias(rel_bias, buckets)[None]  # [1, H, T, S]
-    bias = bias.astype(q.dtype if impl == "cudnn" else jnp.float32)
-    valid = window[None] & key_valid[:, None, :]  # [B, T, S]
+    dt = q.dtype if impl == "cudnn" else jnp.float32
+    hidden = -2.0 ** 41 if impl == "cudnn" else NEG_INF  # the value JAX's cuDNN path masks bfloat16 with
+    bias = jnp.where(window, position_bias(rel_bias, buckets).astype(dt), jnp.asarray(hidden, dt))[None]  # [1, H, T, S]
+    lengths = (T + jnp.sum(key_valid[:, :C], axis=1)).astype(jnp.int32)  # [B]
     qs = q * scale.astype(q.dtype)[None, None, :, None]  # the per-head scale on the queries
-    out = jax.nn.dot_product_attention(qs, k, v, bias=bias, mask=valid[:, None], scale=1.0,
+    out = jax.nn.dot_product_attention(qs, k, v, bias=bias, key_value_seq_lengths=lengths, scale=1.0,
                                        implementation=impl)  # [B, T, H, D]
-    # A query that sees no valid key (padding after a reset) gets 0, as in local_attention.
-    return out * jnp.any(valid, axis=-1)[:, :, None, None].astype(out.dtype)
+    return out * key_valid[:, C:, None, None].astype(out.dtype)
+
+
+def check_prefix_mask(mask, what="mask"):
+    """The fused local attention's condition: each row's True entries come first (padding only
+    at the end of a segment). Raises ValueError otherwise."""
+    m = np.asarray(mask, bool)
+    if np.any(m[..., 1:] & ~m[..., :-1]):
+        raise ValueError(f"the fused attention takes padding only at the end of a segment, but the {what} has "
+                         f"a valid position after a padded one; use --attention explicit for such masks.")
 
 
 # ----------------------------------------------------------------------------- top-k (Sec. 3.3)
@@ -711,6 +730,8 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         raise ValueError(f"tokens have {T} positions but segment_length is {c.segment_length}.")
     try:  # outside jit; under jit the training loop checks each batch on the host
         check_tokens(np.asarray(tokens), c.vocab_size)
+        if c.attention == "fused" and mask is not None:
+            check_prefix_mask(np.asarray(mask))
     except jax.errors.TracerArrayConversionError:
         pass
     dt = jnp.dtype(c.dtype)

@@ -163,6 +163,13 @@ def test_position_bias_and_its_gradient_equal_a_lookup_and_a_sum_per_bucket(one_
 
 
 # ----------------------------------------------------------------------------- local attention
+def prefix_valid(rng, B, C, T):
+    """key_valid [B, C + T] as data.py makes it, the fused attention's condition: in each row a
+    random prefix of the cache and a random prefix of the segment are valid."""
+    cache, segment = rng.integers(0, C + 1, (B, 1)), rng.integers(0, T + 1, (B, 1))
+    return np.concatenate([np.arange(C) < cache, np.arange(T) < segment], axis=1)
+
+
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans(),
        attention=st.sampled_from(["explicit", "fused"]))
@@ -171,8 +178,8 @@ def test_local_attention_equals_explicit_loops(seed, xl, reset, attention):
     cfg = SMALL.replace(xl_cache=xl, attention=attention)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (rng.standard_normal((B, n, H, D)).astype(np.float32) for n in (T, C + T, C + T))
-    key_valid = rng.random((B, C + T)) < 0.8
-    key_valid[0, C:] = True  # row 1 has padding: with reset, some of its queries see no key at all
+    key_valid = prefix_valid(rng, B, C, T) if attention == "fused" else rng.random((B, C + T)) < 0.8
+    key_valid[0, C:] = True  # row 1 has padding
     if reset:
         key_valid[:, :C] = False
     bias = rng.standard_normal((cfg.num_buckets, H)).astype(np.float32)
@@ -183,8 +190,8 @@ def test_local_attention_equals_explicit_loops(seed, xl, reset, attention):
         for h in range(H):
             for t in range(T):
                 keys = [s for s in range(C + T) if key_valid[b, s] and 0 <= C + t - s <= T]
-                if not keys:
-                    continue  # nothing to attend to: the output is 0
+                if not key_valid[b, C + t]:
+                    continue  # a padding query: the output is 0
                 logits = [scale[h] * q[b, t, h] @ k[b, s, h] + bias[np_t5_bucket(C + t - s), h] for s in keys]
                 w = np.exp(np.array(logits) - max(logits))
                 want[b, t, h] = sum(wi * v[b, s, h] for wi, s in zip(w / w.sum(), keys))
@@ -201,7 +208,8 @@ def test_local_attention_gradients_equal_those_of_a_dense_gather_reference(atten
     cfg = SMALL.replace(attention=attention)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (jnp.asarray(rng.standard_normal((B, n, H, D)), jnp.float32) for n in (T, C + T, C + T))
-    key_valid = jnp.asarray(rng.random((B, C + T)) < 0.8).at[:, C:].set(True)
+    key_valid = prefix_valid(rng, B, C, T) if attention == "fused" else rng.random((B, C + T)) < 0.8
+    key_valid = jnp.asarray(key_valid).at[:, C:].set(True)
     bias = jnp.asarray(rng.standard_normal((cfg.num_buckets, H)), jnp.float32)
     scale = jnp.asarray(rng.uniform(1, 5, H), jnp.float32)
     r = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
@@ -215,10 +223,27 @@ def test_local_attention_gradients_equal_those_of_a_dense_gather_reference(atten
         return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
 
     model = lambda q, k, v, bias, scale: heads_first(mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg))
-    grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, scale)
-             for f in (model, reference)]
-    for got, want, name in zip(*grads, ("q", "k", "v", "rel_bias", "scale")):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+    grad = lambda f, args: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * a[-1]), argnums=(0, 1, 2, 3, 4)))(*args)
+    got = grad(lambda *a: model(*a[:-1]), (q, k, v, bias, scale, r))
+    with jax.enable_x64(True):  # the reference in float64: exact for a float32 model
+        want = [np.asarray(g) for g in grad(lambda *a: reference(*a[:-1]), [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias, scale, r)])]
+    for g, w, name in zip(got, want, ("q", "k", "v", "rel_bias", "scale")):
+        # float32 sums of hundreds of terms: a few millionths of the gradient's largest entry.
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * np.abs(w).max(), err_msg=name)
+
+
+def test_the_fused_attention_refuses_padding_before_a_valid_position(params):
+    """Its key lengths are exact only for prefix masks: forward(), called outside jit as a user
+    would, says so instead of guessing (under jit, the callers' masks come from data.py)."""
+    cfg = SMALL.replace(attention="fused")
+    tokens, T = random_tokens(0, cfg, 2, 1), cfg.segment_length
+    prefix = np.arange(T)[None] < np.array([[T], [3]])
+    mt.forward(params, mt.init_state(cfg, 2), tokens, jnp.ones(2, bool), cfg, mask=jnp.asarray(prefix))
+    holed = prefix.copy()
+    holed[0, 2] = False
+    with pytest.raises(ValueError, match="padding only at the end of a segment"):
+        mt.forward(params, mt.init_state(cfg, 2), tokens, jnp.ones(2, bool), cfg, mask=jnp.asarray(holed))
+    mt.forward(params, mt.init_state(SMALL, 2), tokens, jnp.ones(2, bool), SMALL, mask=jnp.asarray(holed))  # any mask
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
@@ -229,7 +254,9 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_explicit_one_in_fl
     cfg = SMALL.replace(segment_length=64, head_dim=64, num_heads=2, d_model=128, memory_size=0)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (mt.l2_normalize(jnp.asarray(rng.standard_normal((B, H, n, D)), jnp.float32)) for n in (T, C + T, C + T))
-    key_valid = jnp.asarray(rng.random((B, C + T)) < 0.8).at[:, C:].set(True).at[1, :C].set(False)
+    # The fused call's condition: the valid keys are a prefix of the cache and of the segment.
+    # Row 0: a part of its cache; row 1: no cache (a reset) and padding at its end.
+    key_valid = jnp.asarray(np.concatenate([np.arange(C) < [[C - 5], [0]], np.arange(T) < [[T], [T - 7]]], 1))
     bias = jnp.asarray(rng.standard_normal((cfg.num_buckets, H)), jnp.float32)
     scale = jnp.asarray(rng.uniform(1, 5, H), jnp.float32)
     r = jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.float32)
