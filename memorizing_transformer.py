@@ -387,8 +387,8 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     B, T, H, D = q.shape
     S = k.shape[1]
     C = S - T
-    order = np.concatenate([np.arange(C, S), np.arange(C)])  # [segment; cache]
-    k, v = k[:, order], v[:, order]
+    order = np.concatenate([np.arange(C, S), np.arange(C)])  # positions of [segment; cache]
+    k, v = (jnp.concatenate([x[:, C:], x[:, :C]], axis=1) for x in (k, v))  # slices: no gather, no scatter in the gradient
     dist = (C + np.arange(T))[:, None] - order[None, :]  # [T, S]: query minus key position
     window, buckets = window_and_buckets(dist, config)  # [T, S] each
     impl = fused_implementation(q.dtype, T, S, D)
