@@ -228,8 +228,9 @@ def test_local_attention_gradients_equal_those_of_a_dense_gather_reference(atten
     with jax.enable_x64(True):  # the reference in float64: exact for a float32 model
         want = [np.asarray(g) for g in grad(lambda *a: reference(*a[:-1]), [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias, scale, r)])]
     for g, w, name in zip(got, want, ("q", "k", "v", "rel_bias", "scale")):
-        # float32 sums of hundreds of terms: a few millionths of the gradient's largest entry.
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * np.abs(w).max(), err_msg=name)
+        # float32 rounding: sums of hundreds of products, up to 2.3e-6 of the gradient's
+        # largest entry (measured: a CPU and an H200); a wrong mask, bias or scale is 1e-2.
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-6 * np.abs(w).max(), err_msg=name)
 
 
 def test_the_fused_attention_refuses_padding_before_a_valid_position(params):

@@ -634,7 +634,8 @@ def build_parser():
                    "(default: the same as --dtype)")
     p.add_argument("--attention", choices=["explicit", "fused"], help="local attention: explicit einsums and "
                    "softmax, or fused (jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with "
-                   "--dtype bfloat16, JAX's own version of it elsewhere); the same math")
+                   "--dtype bfloat16, JAX's own version of it elsewhere); the same math for the valid tokens (fused takes "
+                   "padding only at a segment's end, which is all data.py makes)")
     p.add_argument("--lr", type=finite_float, help="base learning rate (1.0 in the paper)")
     p.add_argument("--init-prev-token-bias", type=finite_float, help="initial T5 bias at distance 1 in half of "
                    "the first layer's heads (0 = none, as in the paper; the synthetic preset uses 6)")
