@@ -322,8 +322,9 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     """Sec. 3: causal self-attention over [XL cache; segment] with a sliding window and T5 bias.
 
     q: [B, H, T, D]; k, v: [B, H, S, D] with S = C + T, the cache first; key_valid: [B, S]
-    (query t is valid iff key C + t is; a padding query gets 0). Query t sits at position C + t; key s is visible iff 0 <= (C + t) - s <= T, that is,
-    each token sees itself and at most the previous segment_length tokens.
+    (query t is valid iff key C + t is; a padding query gets 0). Query t sits at position
+    C + t; key s is visible iff 0 <= (C + t) - s <= T, that is, each token sees itself and at
+    most the previous segment_length tokens.
 
     A query sees at most T + 1 of the S keys, so the queries go in n blocks of Q, and each
     block meets only the W = T + Q keys its windows reach (W = S when that is fewer): with
@@ -388,7 +389,7 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     S = k.shape[1]
     C = S - T
     order = np.concatenate([np.arange(C, S), np.arange(C)])  # positions of [segment; cache]
-    k, v = (jnp.concatenate([x[:, C:], x[:, :C]], axis=1) for x in (k, v))  # slices: no gather, no scatter in the gradient
+    k, v = (jnp.concatenate([x[:, C:], x[:, :C]], axis=1) for x in (k, v))  # slices: no scatter in the gradient
     dist = (C + np.arange(T))[:, None] - order[None, :]  # [T, S]: query minus key position
     window, buckets = window_and_buckets(dist, config)  # [T, S] each
     impl = fused_implementation(q.dtype, T, S, D)

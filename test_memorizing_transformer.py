@@ -223,10 +223,11 @@ def test_local_attention_gradients_equal_those_of_a_dense_gather_reference(atten
         return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
 
     model = lambda q, k, v, bias, scale: heads_first(mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg))
-    grad = lambda f, args: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * a[-1]), argnums=(0, 1, 2, 3, 4)))(*args)
-    got = grad(lambda *a: model(*a[:-1]), (q, k, v, bias, scale, r))
+    # The gradients of sum(f(q, k, v, bias, scale) * r), the last argument being r.
+    grad = lambda f, args: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a[:-1]) * a[-1]), argnums=(0, 1, 2, 3, 4)))(*args)
+    got = grad(model, (q, k, v, bias, scale, r))
     with jax.enable_x64(True):  # the reference in float64: exact for a float32 model
-        want = [np.asarray(g) for g in grad(lambda *a: reference(*a[:-1]), [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias, scale, r)])]
+        want = [np.asarray(g) for g in grad(reference, [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias, scale, r)])]
     for g, w, name in zip(got, want, ("q", "k", "v", "rel_bias", "scale")):
         # float32 rounding: sums of hundreds of products, up to 2.3e-6 of the gradient's
         # largest entry (measured: a CPU and an H200); a wrong mask, bias or scale is 1e-2.
