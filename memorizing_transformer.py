@@ -403,12 +403,12 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     return out * key_valid[:, C:, None, None].astype(out.dtype)
 
 
-def check_prefix_mask(mask, what="mask"):
+def check_prefix_mask(mask):
     """The fused local attention's condition: each row's True entries come first (padding only
     at the end of a segment). Raises ValueError otherwise."""
     m = np.asarray(mask, bool)
     if np.any(m[..., 1:] & ~m[..., :-1]):
-        raise ValueError(f"the fused attention takes padding only at the end of a segment, but the {what} has "
+        raise ValueError(f"the fused attention takes padding only at the end of a segment, but the mask has "
                          f"a valid position after a padded one; use --attention explicit for such masks.")
 
 
