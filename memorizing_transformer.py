@@ -408,8 +408,8 @@ def check_prefix_mask(mask):
     at the end of a segment). Raises ValueError otherwise."""
     m = np.asarray(mask, bool)
     if np.any(m[..., 1:] & ~m[..., :-1]):
-        raise ValueError(f"the fused attention takes padding only at the end of a segment, but the mask has "
-                         f"a valid position after a padded one; use --attention explicit for such masks.")
+        raise ValueError("the fused attention takes padding only at the end of a segment, but the mask has "
+                         "a valid position after a padded one; use --attention explicit for such masks.")
 
 
 # ----------------------------------------------------------------------------- top-k (Sec. 3.3)
