@@ -303,8 +303,9 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
 def time_search(c, batch, memory_size, steps):
     """The search alone: median seconds of each form of `memory_search` over `steps` calls (the
     forms called in turn, after one warm-up call each), and the binned answer's recall. Also
-    its last stage alone, the top-k of each query's L bins' winners (random ones), both ways:
-    `lax.top_k` and `top_k_in_passes` (which `memory_search` uses on a CPU only)."""
+    its last stage alone, the top-k of each query's L bins' winners (keys of random floats,
+    each with its bin in its low bits), both ways: `lax.top_k` and `top_k_in_passes` (which `memory_search`
+    uses on a CPU only)."""
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
@@ -318,8 +319,12 @@ def time_search(c, batch, memory_size, steps):
     fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide: mt.memory_search(q, k, valid, scale, cfg, wide)[1])
            for name, (cfg, wide) in forms.items()}
     L = mt.num_topk_bins(K, memory_size, c.topk_recall_target)
-    winners = jax.random.normal(kw, (batch, H, T, L), jnp.float32)  # [B, H, T, L]
-    topks = {"lax": jax.jit(lambda x: jax.lax.top_k(x, K)[1]), "passes": jax.jit(lambda x: mt.top_k_in_passes(x, K)[1])}
+    low = (1 << (L - 1).bit_length()) - 1  # keys of random floats, the bin in their low bits: distinct in a row
+    bins = jax.lax.broadcasted_iota(jnp.int32, (batch, H, T, L), 3)
+    packed = mt._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0)
+    winners = (packed & ~low) | (low - bins)  # [B, H, T, L] int32 keys
+    topks = {"lax": jax.jit(lambda x: mt._float_keys(jax.lax.top_k(mt._key_floats(x), K)[0])),
+             "passes": jax.jit(lambda x: mt.top_k_in_passes(x, K))}
     calls = {**{name: (f, (q, keys)) for name, f in fns.items()},
              **{"top_k_" + name: (f, (winners,)) for name, f in topks.items()}}
     out = {name: np.asarray(f(*a)) for name, (f, a) in calls.items()}  # compile + warm-up
@@ -354,7 +359,7 @@ def search_table(args, base, batch, sizes):
               f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
     print("recall: the binned slots found among the exact top-k; same slots: the share on which the two binned "
           "forms agree (1: they keep the same bins' maxima); top-k, in passes: the top-k of the bins' winners alone, "
-          "by lax.top_k and by top_k_in_passes (a CPU's memory_search uses the passes), and the share of positions "
+          "by lax.top_k and by top_k_in_passes (a CPU's memory_search uses the passes), and the share of answers "
           "on which they agree (must be 1)")
     if args.json:
         train.atomic_write(args.json, json.dumps(rows, indent=2))

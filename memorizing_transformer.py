@@ -455,27 +455,42 @@ def _unpack(key, bits):
     return jax.lax.bitcast_convert_type(value, jnp.float32), key & low
 
 
-def _reduce_by_halves(x, op):
-    """op (jnp.maximum or jnp.minimum) over the last axis, [..., L] -> [..., 1], as a tree of
-    elementwise ops on halves (an odd middle entry waits for the next level)."""
+def _key_floats(key):
+    """_pack's keys of finite floats -> float32 numbers in the same order, one for one: the
+    floats whose keys they are, after the keys are moved 2^23 away from 0 so that no float is
+    subnormal or zero (a backend may flush those to zero, which would tie them). _float_keys
+    inverts it."""
+    return _unpack(key + jnp.where(key >= 0, 1 << 23, -(1 << 23)), 0)[0]
+
+
+def _float_keys(x):
+    """_key_floats' inverse."""
+    moved = _pack(x, 0, 0)
+    return moved - jnp.where(moved > 0, 1 << 23, -(1 << 23))
+
+
+def _max_by_halves(x):
+    """The maximum over the last axis, [..., L] -> [..., 1], as a tree of elementwise maxima
+    of halves (an odd middle entry waits for the next level)."""
     while x.shape[-1] > 1:
         n = x.shape[-1]
         h = n // 2
-        y = op(x[..., :h], x[..., n - h:])
+        y = jnp.maximum(x[..., :h], x[..., n - h:])
         x = y if n % 2 == 0 else jnp.concatenate([y, x[..., h:h + 1]], axis=-1)
     return x
 
 
 def top_k_in_passes(x, k, block=2 ** 20):
-    """jax.lax.top_k(x, k) for finite x, as k passes over the last axis, each taking the
-    largest entry left and its position (the lowest among equal entries, as top_k does): the
-    same values and positions.
+    """jax.lax.top_k(x, k)[0] for x whose entries in each row are distinct: the k largest,
+    largest first, in k passes over the last axis, each taking the largest entry below the
+    one the pass before took. The entries being distinct, a value says which entry it was
+    (memory_search puts each entry's position in its low bits), and no pass writes.
 
     On the 2-core CPU this project is measured on, XLA's top-k runs on one core: 22 ms for
-    `tiny`'s 4096 rows of 512 bins' winners, a quarter of the 8K train step. These passes
-    took 11-13 ms there. Each maximum is a tree of elementwise maxima: as a reduce, XLA fused
-    it with its broadcast to [rows, L] and wrote that out in every pass (slower than top_k in
-    the step). The rows go in blocks of at most `block` entries, which take their k passes
+    `tiny`'s 4096 rows of 512 bins' winners, a quarter of the 8K train step then. These
+    passes take about 5 ms there (11-13 ms when each pass also searched for its maximum's
+    position and masked it). Each maximum is a tree of elementwise maxima: as a reduce, it
+    was slower. The rows go in blocks of at most `block` entries, which take their k passes
     while they are in the cache.
     """
     *lead, L = x.shape
@@ -484,32 +499,29 @@ def top_k_in_passes(x, k, block=2 ** 20):
     rows = x.size // L
     nb = -(-rows // max(1, block // L))  # blocks
     n = -(-rows // nb)  # rows a block; the last block is padded with rows of zeros
-    at = jax.lax.broadcasted_iota(jnp.float32, (n, L), 1)  # positions, as floats (exact below 2**24)
+    lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else -jnp.inf
 
-    def passes(xb):  # [n, L] -> [n, k], [n, k]
-        vals, pos = [], []
-        for _ in range(k):
-            m = _reduce_by_halves(xb, jnp.maximum)  # [n, 1]
-            p = _reduce_by_halves(jnp.where(xb == m, at, L), jnp.minimum)  # its lowest position
-            vals.append(m)
-            pos.append(p)
-            xb = jnp.where(at == p, -jnp.inf, xb)  # taken
-        return jnp.concatenate(vals, -1), jnp.concatenate(pos, -1).astype(jnp.int32)
+    def passes(xb):  # [n, L] -> [n, k]
+        top = [_max_by_halves(xb)]  # [n, 1] each
+        for _ in range(k - 1):  # the entries are distinct: those left are those below the last taken
+            top.append(_max_by_halves(jnp.where(xb < top[-1], xb, lowest)))
+        return jnp.concatenate(top, -1)
 
     xr = jnp.pad(x.reshape(rows, L), ((0, nb * n - rows), (0, 0)))  # [nb * n, L]
-    vals, pos = jax.lax.map(passes, xr.reshape(nb, n, L))  # [nb, n, k] each
-    unpad = lambda y: y.reshape(nb * n, k)[:rows].reshape(*lead, k)
-    return unpad(vals), unpad(pos)
+    top = jax.lax.map(passes, xr.reshape(nb, n, L))  # [nb, n, k]
+    return top.reshape(nb * n, k)[:rows].reshape(*lead, k)
 
 
-def top_k(x, k):
-    """The k largest entries of x's last axis, and their positions, as jax.lax.top_k. On a CPU,
-    for k <= 64 and at most 512 entries a row (the default k = 32 has 512 bins), it is
-    top_k_in_passes, which is faster there; for 1024 or more entries a row the passes were
-    slower than lax.top_k (k = 64: 108 against 52 ms)."""
-    if jax.default_backend() == "cpu" and k <= 64 and x.shape[-1] <= 512:
-        return top_k_in_passes(x, k)
-    return jax.lax.top_k(x, k)
+def top_k(keys, k):
+    """The k largest of each row's distinct int32 keys (_pack's, of finite scores), largest
+    first. On a CPU, for k <= 64 and at most 512 keys a row (the default k = 32 has 512
+    bins), top_k_in_passes, which is faster there; elsewhere lax.top_k of the keys as floats
+    in the same order (_key_floats; lax.top_k of int32 took 8x as long on a CPU). For 1024
+    or more entries a row the passes were slower than lax.top_k (k = 64: 108 against 52 ms,
+    when they still searched for positions)."""
+    if jax.default_backend() == "cpu" and k <= 64 and keys.shape[-1] <= 512:
+        return top_k_in_passes(keys, k)
+    return _float_keys(jax.lax.top_k(_key_floats(keys), k)[0])
 
 
 def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None):
@@ -523,7 +535,12 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L], the memory
     is scored in pieces of R rows by W bins; each bin's best packed key (_pack: score and row
     in one int32) so far is kept in a [B, H, T, L] array, and the answer is the top-k of
-    those L winners (top_k: on a CPU, in passes). Invalid slots score NEG_INF. Not
+    those L winners (top_k: on a CPU, in passes), ranked by their keys with the bin in the
+    low log2(L) bits: float32 scores are ranked to 23 - log2(L) bits of their mantissa (14
+    for L = 512: scores within about 2^-14 of each other count as equal, and the lower bin
+    comes first; fewer bits only where rows outnumber bins, M > L^2, and _pack took more),
+    bfloat16 scores to all of theirs while rows and bins fit in their 16 free bits. The
+    scores returned are the packed ones (_pack). Invalid slots score NEG_INF. Not
     differentiable: retrieval only picks slots.
 
     wide: the pieces' shape, which decides the speed only (the tests hold both equal).
@@ -578,6 +595,7 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     while M % (2 * rows) == 0 and 2 * rows <= M // bins:
         rows *= 2
     L, bits = M // rows, rows.bit_length() - 1  # slot s = row * L + bin
+    lb = (L - 1).bit_length()  # the bits that number the bins
     if wide:  # where a row is longer than a piece, a piece is part of one row
         W = _largest_divisor_at_most(L, config.memory_chunk)
         R = _largest_divisor_at_most(rows, config.memory_chunk // W)
@@ -602,9 +620,14 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
 
         start = jnp.full((n, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
         best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
-        vals, row = _unpack(best, bits)  # [n, H, T, L]
-        top, pos = top_k(vals, K)  # [n, H, T, K]
-        return top, jnp.take_along_axis(row * L, pos, axis=-1) + pos
+        # The top-k ranks the winners by their keys with the low lb bits replaced by the bin
+        # (reversed: of equal scores the lower bin wins, as in lax.top_k). A row's keys are
+        # then distinct and each says which bin it came from: no pass for positions.
+        low = (1 << lb) - 1
+        top = top_k((best & ~low) | (low - jax.lax.broadcasted_iota(jnp.int32, best.shape, 3)), K)
+        pos = low - (top & low)  # [n, H, T, K] the winners' bins
+        vals, row = _unpack(jnp.take_along_axis(best, pos, axis=-1), bits)  # [n, H, T, K]
+        return vals, row * L + pos
 
     keys, valid = mem_k.reshape(B, H, rows, L, D), mem_valid.reshape(B, rows, L)
     if n == B:
