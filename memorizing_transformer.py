@@ -490,8 +490,10 @@ def top_k_in_passes(x, k, block=2 ** 20):
     `tiny`'s 4096 rows of 512 bins' winners, a quarter of the 8K train step then. These
     passes take about 5 ms there (11-13 ms when each pass also searched for its maximum's
     position and masked it). Each maximum is a tree of elementwise maxima: as a reduce, it
-    was slower. The rows go in blocks of at most `block` entries, which take their k passes
-    while they are in the cache.
+    was slower. The passes are a loop, not unrolled: XLA fused the elementwise work that
+    makes x (memory_search's packing of the scores) into each unrolled pass, 32 times over
+    (the search at M = 512 took 48 ms instead of 7). The rows go in blocks of at most `block`
+    entries, which take their k passes while they are in the cache.
     """
     *lead, L = x.shape
     if k > L:
@@ -502,10 +504,13 @@ def top_k_in_passes(x, k, block=2 ** 20):
     lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else -jnp.inf
 
     def passes(xb):  # [n, L] -> [n, k]
-        top = [_max_by_halves(xb)]  # [n, 1] each
-        for _ in range(k - 1):  # the entries are distinct: those left are those below the last taken
-            top.append(_max_by_halves(jnp.where(xb < top[-1], xb, lowest)))
-        return jnp.concatenate(top, -1)
+        def next_largest(last, _):  # the entries are distinct: those left are those below the last taken
+            m = _max_by_halves(jnp.where(xb < last, xb, lowest))  # [n, 1]
+            return m, m
+
+        first = _max_by_halves(xb)  # [n, 1]
+        _, rest = jax.lax.scan(next_largest, first, None, length=k - 1)  # [k - 1, n, 1]
+        return jnp.concatenate([first, jnp.moveaxis(rest[..., 0], 0, 1)], -1)
 
     xr = jnp.pad(x.reshape(rows, L), ((0, nb * n - rows), (0, 0)))  # [nb * n, L]
     top = jax.lax.map(passes, xr.reshape(nb, n, L))  # [nb, n, k]
