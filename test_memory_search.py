@@ -1,0 +1,249 @@
+"""Executable spec of memorizing_transformer.py's memory search (Sec. 3.3): the exact search in
+pieces, the binned approximate top-k, its final top-k in passes and its packed keys, each
+against numpy (a sort, explicit loops over the slots) or against the exact search's recall.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, strategies as st
+
+import memorizing_transformer as mt
+from test_memorizing_transformer import SETTINGS, SMALL, heads_first, np_unit
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
+
+
+# ----------------------------------------------------------------------------- exact search
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]))
+def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(exact_topk=True, memory_size=64, memory_chunk=16)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, fill, replace=False)] = True
+    scores, slots = jax.jit(mt.memory_search, static_argnums=4)(heads_first(q), mk, valid, jnp.ones(H), cfg)
+    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
+    want = np.sort(s, axis=-1)[..., ::-1][..., :K]
+    got = np.where(np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), np.asarray(slots), -1),
+                   np.asarray(scores), -np.inf)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The slots are the ones holding those scores.
+    np.testing.assert_allclose(np.take_along_axis(s, np.asarray(slots), -1)[..., :min(K, fill)],
+                               want[..., :min(K, fill)], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- approximate top-k
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), wide=st.booleans(),
+       batch_block=st.sampled_from([1, 2]))
+def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, wide, batch_block):
+    """M = 64 <= num_topk_bins: every slot is a bin of its own. Small integer queries and
+    keys make integer scores, many of them equal, which no key rounds: the exact top-k, the
+    lower slot first among equal scores (as a stable sort). The two batch rows are searched
+    together or one after the other (batch_block)."""
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(memory_size=64, memory_chunk=16)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
+    assert mt.num_topk_bins(K, M, cfg.topk_recall_target) == M
+    q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)
+    mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, fill, replace=False)] = True
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
+                                                                        wide, batch_block)
+    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
+    n = min(K, fill)
+    np.testing.assert_array_equal(np.asarray(slots)[..., :n], np.argsort(-s, axis=-1, kind="stable")[..., :n])
+    np.testing.assert_array_equal(np.asarray(scores)[..., :n], np.sort(s, axis=-1)[..., ::-1][..., :n])
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bits(wide):
+    """The top-k ranks keys whose low log2(L) bits hold the bin (6 bits for L = 64), so
+    float32 scores are ranked to their leading 17 mantissa bits. Every query sees the same
+    scores (q = e_0, scores = the keys' first entries): random ones, some slots with a twin
+    1.5 * 2^-17 or 2^-22 of its score above it. The keys' rounding ties two scores only
+    within 2^-17 of their value: any two slots, kept and ranked after it or left out, are in
+    order up to 2^-16 of their scores, and the 1.5 * 2^-17 twins always (one bit fewer would
+    tie some of them)."""
+    rng = np.random.default_rng(0)
+    cfg = SMALL.replace(memory_size=64, memory_chunk=16)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
+    first = rng.standard_normal((B, H, M)) + 1.0
+    first[..., :39] += 3 * (np.arange(39) % 3 < 2)  # the pairs that get twins: near the top
+    first[..., 1:40:3] = first[..., 0:39:3] * (1 + 1.5 * 2.0 ** -17)  # twins above their neighbour
+    first[..., 41:64:2] = first[..., 40:63:2] * (1 + 2.0 ** -22)
+    mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    mk[..., 0] = first
+    q = np.zeros((B, T, H, D), np.float32)
+    q[..., 0] = 1.0
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5))(heads_first(q), mk, np.ones((B, M), bool),
+                                                                     jnp.ones(H), cfg, wide)
+    s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M], exact in float32
+    slots = np.asarray(slots)
+    np.testing.assert_array_equal(np.asarray(scores), np.take_along_axis(s, slots, -1))  # one slot a bin: no bits lost
+    tol = lambda a, b: 2.0 ** -16 * np.maximum(abs(a), abs(b))
+    pairs = 0
+    for row_s, row_slots in zip(s.reshape(-1, M), slots.reshape(-1, K)):
+        assert len(set(row_slots.tolist())) == K
+        kept = row_s[row_slots]
+        assert np.all(kept[:-1] >= kept[1:] - tol(kept[:-1], kept[1:]))  # in order
+        left = np.delete(row_s, row_slots)
+        assert left.max() <= kept[-1] + tol(left.max(), kept[-1])  # none left out was better
+        rank = {slot: r for r, slot in enumerate(row_slots.tolist())}
+        twins = [i for i in range(0, 39, 3) if i in rank and i + 1 in rank]
+        assert all(rank[i + 1] < rank[i] for i in twins)  # the upper one first
+        pairs += len(twins)
+    assert pairs >= B * H * T  # a few pairs in every row
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]),
+       chunk=st.sampled_from([4, 32, 512]), wide=st.booleans(), batch_block=st.sampled_from([1, 2]))
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, wide, batch_block):
+    """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots,
+    the lower bin first among equal maxima (integer scores, many of them equal, which no key
+    rounds). The memory, 8 rows of L = 128 slots, is scored in pieces of 4, 32 or 512 slots:
+    wide ones 4 or 32 slots of one row or 4 whole rows, tall ones half a bin, 4 or 64 whole
+    bins; the two batch rows together or one after the other (batch_block)."""
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 1024, cfg.num_neighbors
+    L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
+    assert L == 128  # bins of 8 slots
+    size, bin_of = M // L, lambda slot: slot % L
+    q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)
+    mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, fill, replace=False)] = True
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
+                                                                        wide, batch_block)
+    scores, slots = np.asarray(scores), np.asarray(slots)
+    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
+    best = np.full((B, H, T, M // size), -np.inf)
+    for slot in range(M):  # the bins' maxima, one slot at a time
+        best[..., bin_of(slot)] = np.maximum(best[..., bin_of(slot)], s[..., slot])
+    found = min([K] + [len(set(bin_of(np.flatnonzero(v)))) for v in valid])  # bins holding a valid slot
+    want = np.argsort(-best, axis=-1, kind="stable")[..., :found]  # the best bins, the lower one first among equals
+    got = slots[..., :found]
+    np.testing.assert_array_equal(bin_of(got), want)
+    np.testing.assert_array_equal(scores[..., :found], np.take_along_axis(best, want, -1))
+    np.testing.assert_array_equal(np.take_along_axis(s, got, -1), np.take_along_axis(best, want, -1))  # a best slot of its bin
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), shape=st.sampled_from([(3, 5, 16), (7, 16), (2, 40), (4, 3, 96), (2, 3, 512),
+                                                           (2, 600)]),
+       k=st.sampled_from([1, 5, 16]))
+@example(seed=0, shape=(7, 16), k=5)  # 7 rows in blocks of 4: the last block padded
+def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
+    """The top-k of the bins' winners: the k largest of each row's distinct int32 keys,
+    largest first. In passes (a CPU's way) for rows of any length, in blocks of one row, of a
+    few rows (the last one padded where they do not divide) or all rows; by top_k, which
+    takes the passes on a CPU and lax.top_k of the keys as floats for rows of more than 512
+    (and on other backends). The keys of the largest and smallest floats among them."""
+    rng = np.random.default_rng(seed)
+    x = np.stack([rng.choice(np.arange(-2 ** 20, 2 ** 20), shape[-1], replace=False)  # distinct within a row
+                  for _ in range(int(np.prod(shape[:-1])))]).reshape(shape).astype(np.int32)
+    x[..., 0] -= 2 ** 30  # far below the rest, as the keys of invalid slots' scores are
+    x.reshape(-1, shape[-1])[0, :2] = mt._pack(jnp.asarray([-3.4e38, 3.4e38], jnp.float32), 0, 0)
+    want = -np.sort(-x.astype(np.int64), axis=-1)[..., :k]
+    for block in [16, 64, 2 ** 21]:
+        got = jax.jit(mt.top_k_in_passes, static_argnums=(1, 2))(jnp.asarray(x), k, block)
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(jax.jit(mt.top_k, static_argnums=1)(jnp.asarray(x), k), want)
+    with pytest.raises(ValueError, match="exceeds"):
+        mt.top_k_in_passes(jnp.asarray(x), shape[-1] + 1)
+
+
+@pytest.mark.parametrize("target", [0.05, 0.3, 0.95])
+def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(target):
+    """Fewer bins than neighbours would leave fewer winners than k: num_topk_bins never goes
+    below k, and with every slot valid the answer is the k best bins' maxima."""
+    for k, m in [(1, 8), (8, 32), (32, 512), (32, 65536), (24, 40)]:
+        assert min(k, m) <= mt.num_topk_bins(k, m, target) <= m
+    cfg = SMALL.replace(topk_recall_target=target)
+    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size, cfg.num_neighbors
+    L = mt.num_topk_bins(K, M, target)
+    rng = np.random.default_rng(0)
+    q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)  # integer scores: exact keys
+    mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
+    scores, slots = mt.memory_search(heads_first(q), mk, np.ones((B, M), bool), jnp.ones(H), cfg)
+    s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M]
+    best = s.reshape(B, H, T, M // L, L).max(axis=3)  # bin of slot s: s mod L
+    want = np.argsort(-best, axis=-1, kind="stable")[..., :K]
+    np.testing.assert_array_equal(np.asarray(slots) % L, want)
+    np.testing.assert_array_equal(scores, np.take_along_axis(best, want, -1))
+    np.testing.assert_array_equal(np.take_along_axis(s, np.asarray(slots), -1), scores)
+
+
+def recall(slots, exact_slots):
+    hits = [len(set(a) & set(b)) for a, b in zip(slots.reshape(-1, slots.shape[-1]).tolist(),
+                                                 exact_slots.reshape(-1, slots.shape[-1]).tolist())]
+    return sum(hits) / exact_slots.size
+
+
+@pytest.mark.parametrize("memory_size", [8192, 65536])
+def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size):
+    cfg = mt.Config(memory_size=memory_size, segment_length=64, num_neighbors=32, head_dim=32, num_heads=1, d_model=32)
+    rng = np.random.default_rng(0)
+    q = np_unit(rng.standard_normal((1, 64, 1, 32))).astype(np.float32)
+    mk = np_unit(rng.standard_normal((1, 1, memory_size, 32))).astype(np.float32)
+    valid = np.ones((1, memory_size), bool)
+    _, approx = mt.memory_search(heads_first(q), mk, valid, jnp.ones(1), cfg)
+    _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
+    r = recall(np.asarray(approx), np.asarray(exact))
+    L = mt.num_topk_bins(32, memory_size, cfg.topk_recall_target)
+    assert r >= 0.9, r
+    assert abs(r - (L / 32) * (1 - (1 - 1 / L) ** 32)) < 0.03  # the documented formula predicts it
+
+
+@pytest.mark.parametrize("bits", [2, 7, 12])
+def test_packed_scores_sort_like_the_scores_and_carry_their_row(bits):
+    """_pack: an int32 key per score, in the scores' order, with the row in its low bits.
+    bfloat16 scores (16 zero low bits once widened) come back exactly; float32 ones lose
+    the low `bits` bits of their mantissa and nothing more."""
+    rng = np.random.default_rng(bits)
+    row = rng.integers(0, 2 ** bits, (3, 4096)).astype(np.int32)
+    x16 = np.asarray(jnp.asarray(rng.standard_normal((3, 4096)), jnp.bfloat16), np.float32)
+    value, got_row = mt._unpack(mt._pack(jnp.asarray(x16), jnp.asarray(row), bits), bits)
+    np.testing.assert_array_equal(value, x16)
+    np.testing.assert_array_equal(got_row, row)
+    x32 = rng.standard_normal((3, 4096)).astype(np.float32)
+    key = np.asarray(mt._pack(jnp.asarray(x32), jnp.zeros_like(row), bits))
+    assert np.all(np.diff(np.take_along_axis(key, np.argsort(x32, axis=-1), -1), axis=-1) >= 0)  # monotone
+    value, got_row = mt._unpack(jnp.asarray(key), bits)
+    np.testing.assert_allclose(value, x32, rtol=2.0 ** (bits - 23), atol=0)
+    assert np.all(np.asarray(got_row) == 0)
+
+
+def test_key_floats_keep_the_keys_order_one_for_one_and_are_never_subnormal():
+    """The top-k ranks int32 keys as floats: in the same order, and none subnormal or zero,
+    which a backend may flush to zero (the keys of scores at or near 0 would be)."""
+    edges = [0, 1, -1, 2 ** 23 - 1, -(2 ** 23) + 1, 2 ** 23, -(2 ** 23)]
+    packed = np.asarray(mt._pack(jnp.asarray([mt.NEG_INF, -1e30, 1e30, -1.0, 1.0, 0.0, -0.0]), 0, 0))
+    rng = np.random.default_rng(0)
+    keys = np.unique(np.concatenate([edges, packed, rng.integers(-2 ** 30, 2 ** 30, 1000)]).astype(np.int32))
+    f = np.asarray(mt._key_floats(jnp.asarray(keys)))
+    assert np.all(np.diff(f) > 0)  # strictly in the keys' order
+    assert np.all(np.abs(f) >= np.finfo(np.float32).tiny)  # normal floats
+    np.testing.assert_array_equal(mt._float_keys(jnp.asarray(f)), keys)
+
+
+def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095():
+    """Mixed precision searches bf16 keys with bf16 scores; against float32 exact top-k."""
+    cfg = mt.Config(memory_size=8192, segment_length=64, num_neighbors=32, head_dim=128, num_heads=1, d_model=128)
+    rng = np.random.default_rng(1)
+    q = np_unit(rng.standard_normal((1, 64, 1, 128))).astype(np.float32)
+    mk = np_unit(rng.standard_normal((1, 1, 8192, 128))).astype(np.float32)
+    _, approx = mt.memory_search(heads_first(jnp.asarray(q, jnp.bfloat16)), jnp.asarray(mk, jnp.bfloat16), np.ones((1, 8192), bool),
+                                 jnp.full(1, math.sqrt(128)), cfg)
+    _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
+    assert recall(np.asarray(approx), np.asarray(exact)) >= 0.95
