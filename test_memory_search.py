@@ -40,6 +40,22 @@ def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
 
 
 # ----------------------------------------------------------------------------- approximate top-k
+def integer_search(rng, cfg, fill, wide, batch_block):
+    """The binned search of two batch rows with `fill` valid slots (the same in both), on
+    small integer queries and keys: integer scores, many of them equal, which no key rounds.
+    Returns its scores and slots [B, H, T, K], and numpy's scores [B, H, T, M] (-inf where
+    invalid)."""
+    B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
+    q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)
+    mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
+    valid = np.zeros((B, M), bool)
+    valid[:, rng.choice(M, fill, replace=False)] = True
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
+                                                                        wide, batch_block)
+    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
+    return np.asarray(scores), np.asarray(slots), s
+
+
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), wide=st.booleans(),
        batch_block=st.sampled_from([1, 2]))
@@ -48,17 +64,10 @@ def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fil
     keys make integer scores, many of them equal, which no key rounds: the exact top-k, the
     lower slot first among equal scores (as a stable sort). The two batch rows are searched
     together or one after the other (batch_block)."""
-    rng = np.random.default_rng(seed)
     cfg = SMALL.replace(memory_size=64, memory_chunk=16)
-    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
+    M, K = cfg.memory_size, cfg.num_neighbors
     assert mt.num_topk_bins(K, M, cfg.topk_recall_target) == M
-    q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)
-    mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
-    valid = np.zeros((B, M), bool)
-    valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
-                                                                        wide, batch_block)
-    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
+    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block)
     n = min(K, fill)
     np.testing.assert_array_equal(np.asarray(slots)[..., :n], np.argsort(-s, axis=-1, kind="stable")[..., :n])
     np.testing.assert_array_equal(np.asarray(scores)[..., :n], np.sort(s, axis=-1)[..., ::-1][..., :n])
@@ -113,20 +122,13 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
     rounds). The memory, 8 rows of L = 128 slots, is scored in pieces of 4, 32 or 512 slots:
     wide ones 4 or 32 slots of one row or 4 whole rows, tall ones half a bin, 4 or 64 whole
     bins; the two batch rows together or one after the other (batch_block)."""
-    rng = np.random.default_rng(seed)
     cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
-    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 1024, cfg.num_neighbors
+    B, T, H, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.memory_size, cfg.num_neighbors
     L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
     assert L == 128  # bins of 8 slots
     size, bin_of = M // L, lambda slot: slot % L
-    q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)
-    mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
-    valid = np.zeros((B, M), bool)
-    valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
-                                                                        wide, batch_block)
-    scores, slots = np.asarray(scores), np.asarray(slots)
-    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
+    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block)
+    valid = np.isfinite(s[:, 0, 0])  # [B, M]
     best = np.full((B, H, T, M // size), -np.inf)
     for slot in range(M):  # the bins' maxima, one slot at a time
         best[..., bin_of(slot)] = np.maximum(best[..., bin_of(slot)], s[..., slot])
