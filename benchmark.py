@@ -304,8 +304,8 @@ def time_search(c, batch, memory_size, steps):
     """The search alone: median seconds of each form of `memory_search` over `steps` calls (the
     forms called in turn, after one warm-up call each), and the binned answer's recall. Also
     its last stage alone, the top-k of each query's L bins' winners (keys of random floats,
-    each with its bin in its low bits), both ways: `lax.top_k` and `top_k_in_passes` (which `memory_search`
-    uses on a CPU only)."""
+    each with its bin in its low bits), both ways: `lax.top_k` and `top_k_in_passes` (which
+    `memory_search` uses on a CPU only)."""
     import jax
     import jax.numpy as jnp
     import memorizing_transformer as mt
