@@ -137,7 +137,8 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
     got = slots[..., :found]
     np.testing.assert_array_equal(bin_of(got), want)
     np.testing.assert_array_equal(scores[..., :found], np.take_along_axis(best, want, -1))
-    np.testing.assert_array_equal(np.take_along_axis(s, got, -1), np.take_along_axis(best, want, -1))  # a best slot of its bin
+    # each slot a best one of its bin
+    np.testing.assert_array_equal(np.take_along_axis(s, got, -1), np.take_along_axis(best, want, -1))
 
 
 @SETTINGS
