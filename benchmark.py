@@ -318,7 +318,7 @@ def time_search(c, batch, memory_size, steps):
     forms = {"whole_rows": (c, True), "whole_bins": (c, False), "exact": (c.replace(exact_topk=True), None)}
     fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide: mt.memory_search(q, k, valid, scale, cfg, wide)[1])
            for name, (cfg, wide) in forms.items()}
-    L = mt.num_topk_bins(K, memory_size, c.topk_recall_target)
+    L = mt.bin_layout(K, memory_size, c.topk_recall_target)[0]
     low = (1 << (L - 1).bit_length()) - 1  # keys of random floats, the bin in their low bits: distinct in a row
     bins = jax.lax.broadcasted_iota(jnp.int32, (batch, H, T, L), 3)
     packed = mt._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0)

@@ -293,7 +293,7 @@ def cmd_recall(args):
     if not total:
         raise UsageError(f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
                          f"pick a longer one with --doc.")
-    bins = mt.num_topk_bins(K, config.memory_size, config.topk_recall_target)
+    bins = mt.bin_layout(K, config.memory_size, config.topk_recall_target)[0]
     result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk, "k": K, "bins": bins, "recall": hits / total,
               "expected_random": (bins / K) * (1 - (1 - 1 / bins) ** K), "retrievals": total // K}
     print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "

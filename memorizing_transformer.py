@@ -428,6 +428,17 @@ def num_topk_bins(k, memory_size, recall_target):
     return min(L, memory_size)
 
 
+def bin_layout(k, memory_size, recall_target):
+    """The binned search's layout: (L, rows), the memory seen as `rows` rows of L bins (slot
+    s = row * L + bin). Bins of `rows` slots, the largest power of two that divides M and
+    leaves at least num_topk_bins bins; so L = num_topk_bins where M is a power of two, and
+    more bins where it is not (M = 768: one row of 768)."""
+    bins, rows = num_topk_bins(k, memory_size, recall_target), 1
+    while memory_size % (2 * rows) == 0 and 2 * rows <= memory_size // bins:
+        rows *= 2
+    return memory_size // rows, rows
+
+
 def _largest_divisor_at_most(n, cap):
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
@@ -595,11 +606,8 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
         top, pos = jax.lax.top_k(vals, K)  # [B, H, T, K]
         return top, jnp.take_along_axis(idx, pos, axis=-1)
 
-    # Bins of `rows` slots: the largest power of two that leaves at least num_topk_bins.
-    bins, rows = num_topk_bins(K, M, config.topk_recall_target), 1
-    while M % (2 * rows) == 0 and 2 * rows <= M // bins:
-        rows *= 2
-    L, bits = M // rows, rows.bit_length() - 1  # slot s = row * L + bin
+    L, rows = bin_layout(K, M, config.topk_recall_target)  # slot s = row * L + bin
+    bits = rows.bit_length() - 1
     lb = (L - 1).bit_length()  # the bits that number the bins
     if wide:  # where a row is longer than a piece, a piece is part of one row
         W = _largest_divisor_at_most(L, config.memory_chunk)

@@ -166,6 +166,19 @@ def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
         mt.top_k_in_passes(jnp.asarray(x), shape[-1] + 1)
 
 
+def test_the_bin_layout_has_rows_of_a_power_of_two_the_largest_that_leaves_enough_bins():
+    """bin_layout: M = rows * L, rows a power of two dividing M, L at least num_topk_bins, and
+    no larger power of two would do; L = num_topk_bins where M is a power of two."""
+    for k, m in [(8, 64), (32, 512), (32, 768), (32, 1024), (32, 8192), (32, 3 * 2 ** 12), (32, 65536), (4, 40)]:
+        need = mt.num_topk_bins(k, m, 0.95)
+        L, rows = mt.bin_layout(k, m, 0.95)
+        assert L * rows == m and rows & (rows - 1) == 0 and L >= need
+        assert m % (2 * rows) or m // (2 * rows) < need  # the largest such rows
+        if m & (m - 1) == 0:
+            assert L == need
+    assert mt.bin_layout(32, 768, 0.95) == (768, 1) and mt.bin_layout(32, 3 * 2 ** 12, 0.95) == (768, 16)
+
+
 @pytest.mark.parametrize("target", [0.05, 0.3, 0.95])
 def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(target):
     """Fewer bins than neighbours would leave fewer winners than k: num_topk_bins never goes
