@@ -149,9 +149,9 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
 def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
     """The top-k of the bins' winners: the k largest of each row's distinct int32 keys,
     largest first. In passes (a CPU's way) for rows of any length, in blocks of one row, of a
-    few rows (the last one padded where they do not divide) or all rows; by top_k, which
-    takes the passes on a CPU and lax.top_k of the keys as floats for rows of more than 512
-    (and on other backends). The keys of the largest and smallest floats among them."""
+    few rows (the last one padded where they do not divide) or all rows; and by top_k, in
+    passes and by lax.top_k of the keys as floats (other backends' way). The keys of the
+    largest and smallest floats among them."""
     rng = np.random.default_rng(seed)
     x = np.stack([rng.choice(np.arange(-2 ** 20, 2 ** 20), shape[-1], replace=False)  # distinct within a row
                   for _ in range(int(np.prod(shape[:-1])))]).reshape(shape).astype(np.int32)
@@ -161,7 +161,8 @@ def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
     for block in [16, 64, 2 ** 21]:
         got = jax.jit(mt.top_k_in_passes, static_argnums=(1, 2))(jnp.asarray(x), k, block)
         np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(jax.jit(mt.top_k, static_argnums=1)(jnp.asarray(x), k), want)
+    for passes in [True, False, None]:  # the passes, lax.top_k of the keys as floats, the backend's choice
+        np.testing.assert_array_equal(jax.jit(mt.top_k, static_argnums=(1, 2))(jnp.asarray(x), k, passes), want)
     with pytest.raises(ValueError, match="exceeds"):
         mt.top_k_in_passes(jnp.asarray(x), shape[-1] + 1)
 
