@@ -319,10 +319,8 @@ def time_search(c, batch, memory_size, steps):
     fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide: mt.memory_search(q, k, valid, scale, cfg, wide)[1])
            for name, (cfg, wide) in forms.items()}
     L = mt.bin_layout(K, memory_size, c.topk_recall_target)[0]
-    low = (1 << (L - 1).bit_length()) - 1  # keys of random floats, the bin in their low bits: distinct in a row
-    bins = jax.lax.broadcasted_iota(jnp.int32, (batch, H, T, L), 3)
-    packed = mt._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0)
-    winners = (packed & ~low) | (low - bins)  # [B, H, T, L] int32 keys
+    # [B, H, T, L] keys of random floats, the bin in their low bits: distinct in a row
+    winners = mt._bin_keys(mt._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0))
     topks = {"lax": jax.jit(lambda x: mt._float_keys(jax.lax.top_k(mt._key_floats(x), K)[0])),
              "passes": jax.jit(lambda x: mt.top_k_in_passes(x, K))}
     calls = {**{name: (f, (q, keys)) for name, f in fns.items()},

@@ -466,6 +466,20 @@ def _unpack(key, bits):
     return jax.lax.bitcast_convert_type(value, jnp.float32), key & low
 
 
+def _bin_keys(best):
+    """The bins' winners' packed keys [..., L] -> the keys the top-k ranks: the low log2(L)
+    bits replaced by the bin, reversed, so that of equal scores the lower bin wins (as in
+    lax.top_k). A row's keys are then distinct and each names its bin (_key_bin)."""
+    low = (1 << (best.shape[-1] - 1).bit_length()) - 1
+    return (best & ~low) | (low - jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1))
+
+
+def _key_bin(key, L):
+    """The bin a _bin_keys key names."""
+    low = (1 << (L - 1).bit_length()) - 1
+    return low - (key & low)
+
+
 def _key_floats(key):
     """_pack's keys of finite floats -> float32 numbers in the same order, one for one: the
     floats whose keys they are, after the keys are moved 2^23 away from 0 so that no float is
@@ -613,7 +627,6 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
 
     L, rows = bin_layout(K, M, config.topk_recall_target)  # slot s = row * L + bin
     bits = rows.bit_length() - 1
-    lb = (L - 1).bit_length()  # the bits that number the bins
     if wide:  # where a row is longer than a piece, a piece is part of one row
         W = _largest_divisor_at_most(L, config.memory_chunk)
         R = _largest_divisor_at_most(rows, config.memory_chunk // W)
@@ -638,12 +651,8 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
 
         start = jnp.full((n, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
         best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
-        # The top-k ranks the winners by their keys with the low lb bits replaced by the bin
-        # (reversed: of equal scores the lower bin wins, as in lax.top_k). A row's keys are
-        # then distinct and each says which bin it came from: no pass for positions.
-        low = (1 << lb) - 1
-        top = top_k((best & ~low) | (low - jax.lax.broadcasted_iota(jnp.int32, best.shape, 3)), K)
-        pos = low - (top & low)  # [n, H, T, K] the winners' bins
+        # Keys that name their bins: the top-k needs no pass for positions.
+        pos = _key_bin(top_k(_bin_keys(best), K), L)  # [n, H, T, K] the winners' bins
         vals, row = _unpack(jnp.take_along_axis(best, pos, axis=-1), bits)  # [n, H, T, K]
         return vals, row * L + pos
 
