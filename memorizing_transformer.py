@@ -481,10 +481,12 @@ def _key_bin(key, L):
 
 
 def _key_floats(key):
-    """_pack's keys of finite floats -> float32 numbers in the same order, one for one: the
-    floats whose keys they are, after the keys are moved 2^23 away from 0 so that no float is
-    subnormal or zero (a backend may flush those to zero, which would tie them). _float_keys
-    inverts it."""
+    """_pack's keys of floats below 2^127 in magnitude -> float32 numbers in the same order,
+    one for one: the floats whose keys they are, after the keys are moved 2^23 away from 0 so
+    that no float is subnormal or zero (a backend may flush those to zero, which would tie
+    them). Larger floats' keys move past the largest float, to NaN, which only a sort in
+    IEEE total order still ranks; no score is near: a score is at most its head's scale in
+    magnitude, or NEG_INF. _float_keys inverts it."""
     return _unpack(key + jnp.where(key >= 0, 1 << 23, -(1 << 23)), 0)[0]
 
 
@@ -543,7 +545,7 @@ def top_k_in_passes(x, k, block=2 ** 20):
 
 
 def top_k(keys, k, passes=None):
-    """The k largest of each row's distinct int32 keys (_pack's, of finite scores), largest
+    """The k largest of each row's distinct int32 keys (_pack's, of scores below 2^127), largest
     first: by top_k_in_passes, or by lax.top_k of the keys as floats in the same order
     (_key_floats; lax.top_k of int32 took 8x as long on a CPU). passes None: the passes on a
     CPU for k <= 128, where they were faster at every size measured (4096 rows, ms):

@@ -13,6 +13,8 @@ from hypothesis import example, given, strategies as st
 import memorizing_transformer as mt
 from test_memorizing_transformer import SETTINGS, SMALL, heads_first, np_unit
 
+BELOW_2_127 = float(np.nextafter(np.float32(2.0 ** 127), np.float32(0)))  # _key_floats' largest magnitude
+
 jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
 
 
@@ -243,14 +245,16 @@ def test_packed_scores_sort_like_the_scores_and_carry_their_row(bits):
 
 def test_key_floats_keep_the_keys_order_one_for_one_and_are_never_subnormal():
     """The top-k ranks int32 keys as floats: in the same order, and none subnormal or zero,
-    which a backend may flush to zero (the keys of scores at or near 0 would be)."""
+    which a backend may flush to zero (the keys of scores at or near 0 would be), and none
+    NaN or infinite, up to the keys of the largest floats below 2^127."""
     edges = [0, 1, -1, 2 ** 23 - 1, -(2 ** 23) + 1, 2 ** 23, -(2 ** 23)]
-    packed = np.asarray(mt._pack(jnp.asarray([mt.NEG_INF, -1e30, 1e30, -1.0, 1.0, 0.0, -0.0]), 0, 0))
+    packed = np.asarray(mt._pack(jnp.asarray([mt.NEG_INF, -1e30, 1e30, -1.0, 1.0, 0.0, -0.0, BELOW_2_127,
+                                              -BELOW_2_127]), 0, 0))
     rng = np.random.default_rng(0)
     keys = np.unique(np.concatenate([edges, packed, rng.integers(-2 ** 30, 2 ** 30, 1000)]).astype(np.int32))
     f = np.asarray(mt._key_floats(jnp.asarray(keys)))
     assert np.all(np.diff(f) > 0)  # strictly in the keys' order
-    assert np.all(np.abs(f) >= np.finfo(np.float32).tiny)  # normal floats
+    assert np.all(np.abs(f) >= np.finfo(np.float32).tiny) and np.all(np.isfinite(f))  # normal floats
     np.testing.assert_array_equal(mt._float_keys(jnp.asarray(f)), keys)
 
 
