@@ -279,10 +279,12 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_explicit_one_in_fl
 
 # ----------------------------------------------------------------------------- kNN attention
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]), products=st.booleans())
-def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill, products):
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]), products=st.booleans(),
+       layout=st.sampled_from(["bhtd", "bthd"]))
+def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill, products, layout):
     """Exact top-k with k = number of valid entries retrieves them all: dense softmax over them.
-    Either form of the attention over the retrieved pairs (einsums; products and sums)."""
+    Either form of the attention over the retrieved pairs (einsums; products and sums), with
+    the queries in either layout ([B, H, T, D]; [B, T, H, D], the fused attention's)."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(exact_topk=True, num_neighbors=max(fill, 1))
     B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
@@ -293,18 +295,22 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
     for b in range(B):
         valid[b, rng.choice(M, fill, replace=False)] = True
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6))(heads_first(q), mk, mv, valid, scale, cfg, products)
-    out = heads_first(out)
+    heads = heads_first if layout == "bhtd" else (lambda x: x)  # [B, T, H, ...] -> the layout
+    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6, 7))(heads(q), mk, mv, valid, scale, cfg,
+                                                                          products, layout)
+    out = heads(out)
     w = np_softmax_masked(np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :])
     np.testing.assert_allclose(out, np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
     assert np.all(np.asarray(has) == (fill > 0))
     assert np.all(np.isfinite(out))
 
 
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 @pytest.mark.parametrize("products", [False, True])
-def test_knn_attention_gradients_equal_those_of_dense_attention(products):
-    """With every valid slot retrieved, the gradients (queries, scale) of either form are those
-    of a dense softmax over the valid slots; none reach the memory (it is constant)."""
+def test_knn_attention_gradients_equal_those_of_dense_attention(products, layout):
+    """With every valid slot retrieved, the gradients (queries, scale) of either form, in
+    either layout, are those of a dense softmax over the valid slots; none reach the memory
+    (it is constant)."""
     rng = np.random.default_rng(11)
     cfg = SMALL.replace(exact_topk=True, num_neighbors=8)
     B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
@@ -321,7 +327,8 @@ def test_knn_attention_gradients_equal_those_of_dense_attention(products):
         w = jax.nn.softmax(jnp.where(valid[:, None, None, :], logits, -jnp.inf), axis=-1)
         return jnp.einsum("bhtm,bhmd->bhtd", w, mv)
 
-    model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, products)[0]
+    swap = (lambda x: jnp.swapaxes(x, 1, 2)) if layout == "bthd" else (lambda x: x)
+    model = lambda q, scale: swap(mt.knn_attention(swap(q), mk, mv, valid, scale, cfg, products, layout)[0])
     grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1)))(q, scale) for f in (model, dense)]
     for got, want, name in zip(*grads, ("q", "scale")):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
