@@ -31,7 +31,9 @@ layer, and attention over the K retrieved pairs (forward and backward).
 
 --profile DIR traces a few more steps of each row with jax.profiler and prints the XLA
 operations that took the most device time (thread time on a CPU), each with the JAX
-operation it came from; DIR keeps the compiled HLO, the raw trace and the table as JSON.
+operation it came from, and the largest arrays the compiled step's operations produce (a
+product that XLA could not fuse shows there); DIR keeps the compiled HLO, the raw trace and the tables
+as JSON.
 
 --search times the memory search alone instead (one memory layer's `memory_search` at the
 preset's shapes, random unit keys, every slot valid), in its three forms called in turn in
@@ -128,6 +130,35 @@ def device_name():
     return f"CPU {model}, {os.cpu_count()} cores"
 
 
+HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+             "s64": 8, "u64": 8, "f64": 8}
+NOT_WRITTEN = ("parameter", "constant", "bitcast", "get-tuple-element", "tuple", "while", "call", "conditional")
+
+
+def largest_buffers(hlo_text, n=10):
+    """The n largest arrays a compiled program's operations produce, largest first: [{"op",
+    "opcode", "shape", "bytes"}]. Counts the outputs of the program's own operations (a
+    fusion, a library call, a copy, ...) in its entry computation and loop bodies, not the
+    values inside a fused computation, which never reach memory; a tuple's elements count one
+    by one, and an update in place counts its whole array. An array of the size of a whole
+    product that should have been fused away (a [B, T, H, D, K] product of the retrieved
+    pairs, say) shows here."""
+    buffers, fused = [], False
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+        if head:  # a computation starts; fusions' bodies are named fused_* or wrapped_*
+            fused = not head.group(1) and head.group(2).startswith(("fused", "wrapped_"))
+            continue
+        inst = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\w+\[[\d,]*\]\S*) ([\w\-]+)\(", line)
+        if fused or not inst or inst.group(3) in NOT_WRITTEN:
+            continue
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", inst.group(2)):
+            shape = [int(d) for d in dims.split(",") if d]
+            buffers.append({"op": inst.group(1), "opcode": inst.group(3), "shape": f"{dtype}[{dims}]",
+                            "bytes": HLO_BYTES.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))})
+    return sorted(buffers, key=lambda b: -b["bytes"])[:n]
+
+
 def profile_steps(run_step, steps, hlo_text, out_dir, tag):
     """Time per XLA operation over `steps` steps, from a jax.profiler trace.
 
@@ -172,9 +203,13 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
     table = [{"source": src, "ms_per_step": ms, "share": ms / total} for src, ms in by_source.most_common()]
     with open(os.path.join(out_dir, f"step_{tag}.hlo.txt"), "w") as f:
         f.write(hlo_text)
+    buffers = largest_buffers(hlo_text)
+    for b in buffers:
+        b["source"] = label(b["op"])
     with open(os.path.join(out_dir, f"profile_{tag}.json"), "w") as f:
-        json.dump({"module": module, "steps": steps, "ms_per_step": total, "by_source": table, "ops": ops}, f, indent=1)
-    return table
+        json.dump({"module": module, "steps": steps, "ms_per_step": total, "by_source": table, "ops": ops,
+                   "largest_buffers": buffers}, f, indent=1)
+    return table, buffers
 
 
 def row_step(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit"):
@@ -261,7 +296,8 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             jax.block_until_ready(m)
         hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
         train.fill_heap_holes()
-        top_ops = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")[:15]
+        top_ops, buffers = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")
+        top_ops = {"ops": top_ops[:15], "largest_buffers": buffers}
     fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
     fwd_times = []
     for i in range(0 if train_only else steps + 2):
@@ -477,7 +513,8 @@ def main(argv=None):
                    "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)")
     p.add_argument("--json", help="write the rows to this file as a list of objects")
     p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
-                   "that took the most time, and keep the trace, the HLO and the table in DIR")
+                   "that took the most time and the largest arrays the step's operations produce, and keep the trace, the HLO and "
+                   "the tables in DIR")
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
                    "table (three programs fewer to compile per row, for a short lease on an accelerator)")
     p.add_argument("--search", action="store_true", help="time the memory search alone, in its three forms (binned "
@@ -605,8 +642,12 @@ def benchmark(args):
     for r in rows if args.profile else ():
         print(f"\nwhere the step's time goes, memory {r['memory_size']}: ms per step by the JAX operation it came "
               f"from ({args.profile}/profile_M{r['memory_size']}.json has every XLA operation)")
-        for op in r["profile"]:
+        for op in r["profile"]["ops"]:
             print(f"{op['ms_per_step']:>9.2f} {op['share']:>6.1%}  {op['source'][-100:]}")
+        print(f"the largest arrays the step's operations produce, memory {r['memory_size']} (MiB, shape, operation; "
+              f"an update in place counts its whole array):")
+        for b in r["profile"]["largest_buffers"]:
+            print(f"{b['bytes'] / 2 ** 20:>9.1f}  {b['shape']:<28} {b['opcode']} {b['source'][-80:]}")
     if args.json:
         train.atomic_write(args.json, json.dumps(rows, indent=2))
     return 0

@@ -503,6 +503,51 @@ def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_
                                                            for op in prof["by_source"])
     assert abs(sum(op["share"] for op in prof["by_source"]) - 1) < 1e-6 and row["profile"]
     assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
+    # ... and the largest arrays the step's operations produce, largest first, each as many bytes as its shape holds.
+    buffers = prof["largest_buffers"]
+    assert buffers == row["profile"]["largest_buffers"]
+    assert "the largest arrays the step's operations produce" in proc.stdout
+    assert [b["bytes"] for b in buffers] == sorted((b["bytes"] for b in buffers), reverse=True)
+    for b in buffers:
+        dtype, dims = b["shape"].rstrip("]").split("[")
+        itemsize = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "pred": 1, "s8": 1, "u8": 1}[dtype]
+        assert b["bytes"] == itemsize * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def test_largest_buffers_counts_what_operations_write_and_not_the_values_inside_fusions():
+    """benchmark.largest_buffers reads a compiled program's HLO: the outputs of the entry
+    computation's and loop bodies' operations (each element of a tuple on its own), not those
+    inside a fused computation, nor parameters, bitcasts and tuples, which write nothing."""
+    import benchmark
+    hlo = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%fused_transpose.5 (param_0: f32[2,3]) -> f32[64,64,64] {
+  %param_0 = f32[2,3]{1,0} parameter(0)
+  ROOT %transpose.1 = f32[64,64,64]{2,1,0} transpose(%param_0), dimensions={1,0}
+}
+
+%region_0.2 (arg: (s32[], bf16[16,16])) -> (s32[], bf16[16,16]) {
+  %arg = (s32[], bf16[16,16]{1,0}) parameter(0)
+  %loop_fusion.3 = bf16[16,16]{1,0} fusion(%arg), kind=kLoop, calls=%fused_transpose.5
+  ROOT %tuple.2 = (s32[], bf16[16,16]{1,0}) tuple(%gte, %loop_fusion.3)
+}
+
+ENTRY %main.9 (p: f32[1024,1024]) -> f32[8] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %bitcast.1 = f32[1048576]{0} bitcast(%p)
+  %custom-call.89 = (f32[32,16]{0,1}, s8[4096]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %input_transpose_fusion.3 = f32[4,8,2,128,32]{4,3,2,1,0} fusion(%p), kind=kInput, calls=%fused_transpose.5, metadata={op_name="jit(step)/jvp()/mul"}
+  %while.1 = (s32[], bf16[16,16]{1,0}) while(%t), condition=%c, body=%region_0.2
+  ROOT %copy.4 = f32[8]{0} copy(%x)
+}
+"""
+    got = benchmark.largest_buffers(hlo, n=4)
+    assert [(b["op"], b["opcode"], b["shape"], b["bytes"]) for b in got] == [
+        ("input_transpose_fusion.3", "fusion", "f32[4,8,2,128,32]", 4 * 4 * 8 * 2 * 128 * 32),
+        ("custom-call.89", "custom-call", "s8[4096]", 4096),
+        ("custom-call.89", "custom-call", "f32[32,16]", 4 * 32 * 16),
+        ("loop_fusion.3", "fusion", "bf16[16,16]", 2 * 16 * 16)]
+    assert len(benchmark.largest_buffers(hlo)) == 5  # and the copy's 32 bytes
 
 
 def test_alternated_rounds_give_each_row_its_steps_over_the_no_memory_steps_of_the_same_rounds(monkeypatch):
