@@ -718,10 +718,12 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, products=None, layo
 
     products (attend_to_retrieved): None is True on a GPU, where the stored [B, H, T, K, D]
     keys and values were most of the memory's peak beyond its own storage, and False on a
-    CPU, where the einsums are faster (the other form cost about a tenth of the step).
+    CPU, where the einsums are faster (the other form cost about a tenth of the step). Also
+    False for K > 64: the products are K terms in the program, and its compile time grows
+    with K (one layer's gradient on the CPU: 2 s at K = 32, 33 s at K = 512).
     """
     if products is None:
-        products = jax.default_backend() == "gpu"
+        products = jax.default_backend() == "gpu" and config.num_neighbors <= 64
     swap = (lambda x: jnp.swapaxes(x, 1, 2)) if layout == "bthd" else (lambda x: x)
     mem_k, mem_v = jax.lax.stop_gradient(mem_k), jax.lax.stop_gradient(mem_v)  # [B, H, M, D]
     _, slots = memory_search(swap(q), mem_k, mem_valid, scale, config)  # [B, H, T, K]
