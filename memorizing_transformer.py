@@ -842,7 +842,7 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
             out = local_attention(q, ks, vs, key_valid, p["rel_bias"], scale, c)  # [B, H, T, D]
         if i in c.active_memory_layers:
             j = c.active_memory_layers.index(i)
-            mem_out, has_memory, slots, weights = knn_attention(  # in the layer's layout: no transposes
+            mem_out, has_memory, slots, weights = knn_attention(  # in the layer's layout: q, out not transposed
                 q, mem_k[:, j], mem_v[:, j], mem_valid, scale, c, layout="bthd" if fused else "bhtd")
             # Eqs. (1)-(2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g) per head. A query
             # with no valid memory (empty memory) keeps its local result.
