@@ -32,8 +32,8 @@ layer, and attention over the K retrieved pairs (forward and backward).
 --profile DIR traces a few more steps of each row with jax.profiler and prints the XLA
 operations that took the most device time (thread time on a CPU), each with the JAX
 operation it came from, and the largest arrays the compiled step's operations produce (a
-product that XLA could not fuse shows there); DIR keeps the compiled HLO, the raw trace and the tables
-as JSON.
+product that XLA could not fuse shows there); DIR keeps the compiled HLO, the raw trace and
+the tables as JSON.
 
 --search times the memory search alone instead (one memory layer's `memory_search` at the
 preset's shapes, random unit keys, every slot valid), in its three forms called in turn in
@@ -288,7 +288,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[1:])
     peak = peak_bytes()
-    top_ops = None
+    profile = None
     if profile_dir:
         def run_step():
             nonlocal params, opt_state, state
@@ -296,8 +296,8 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             jax.block_until_ready(m)
         hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
         train.fill_heap_holes()
-        top_ops, buffers = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")
-        top_ops = {"ops": top_ops[:15], "largest_buffers": buffers}
+        table, buffers = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")
+        profile = {"ops": table[:15], "largest_buffers": buffers}
     fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
     fwd_times = []
     for i in range(0 if train_only else steps + 2):
@@ -330,7 +330,7 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             "loss_forward_s": loss_s, "grad_s": grad_s, "grad_over_forward": grad_s and grad_s / loss_s,
             "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
             "recall": measure_recall(c, memory_size), "train_flops": train_f, "forward_flops": fwd_f,
-            "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype, "profile": top_ops,
+            "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype, "profile": profile,
             "attention": c.attention,
             "memory_bytes": 2 * len(c.active_memory_layers) * batch * c.num_heads * memory_size * c.head_dim *
             jnp.dtype(c.storage_dtype).itemsize}
@@ -513,8 +513,8 @@ def main(argv=None):
                    "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)")
     p.add_argument("--json", help="write the rows to this file as a list of objects")
     p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
-                   "that took the most time and the largest arrays the step's operations produce, and keep the trace, the HLO and "
-                   "the tables in DIR")
+                   "that took the most time and the largest arrays the step's operations produce, and keep the "
+                   "trace, the HLO and the tables in DIR")
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
                    "table (three programs fewer to compile per row, for a short lease on an accelerator)")
     p.add_argument("--search", action="store_true", help="time the memory search alone, in its three forms (binned "
