@@ -510,7 +510,8 @@ def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_
     assert [b["bytes"] for b in buffers] == sorted((b["bytes"] for b in buffers), reverse=True)
     for b in buffers:
         dtype, dims = b["shape"].rstrip("]").split("[")
-        itemsize = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "pred": 1, "s8": 1, "u8": 1}[dtype]
+        itemsize = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                    "pred": 1, "s8": 1, "u8": 1}[dtype]
         assert b["bytes"] == itemsize * math.prod(int(d) for d in dims.split(",") if d)
 
 
