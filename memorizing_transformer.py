@@ -727,9 +727,9 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, products=None, layo
     swap = (lambda x: jnp.swapaxes(x, 1, 2)) if layout == "bthd" else (lambda x: x)
     mem_k, mem_v = jax.lax.stop_gradient(mem_k), jax.lax.stop_gradient(mem_v)  # [B, H, M, D]
     _, slots = memory_search(swap(q), mem_k, mem_valid, scale, config)  # [B, H, T, K]
-    valid = jax.vmap(lambda m, i: m[i])(mem_valid, swap(slots))  # [B, H, T, K] (bthd: [B, T, H, K])
-    out, weights, has_memory = attend_to_retrieved(q, mem_k, mem_v, swap(slots), valid, scale, config, products,
-                                                   layout)
+    ours = swap(slots)  # [B, H, T, K] (bthd: [B, T, H, K])
+    valid = jax.vmap(lambda m, i: m[i])(mem_valid, ours)
+    out, weights, has_memory = attend_to_retrieved(q, mem_k, mem_v, ours, valid, scale, config, products, layout)
     return out, has_memory, slots, swap(weights)
 
 
