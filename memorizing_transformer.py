@@ -291,8 +291,9 @@ def matmul_precision(config):
 def query_block(T):
     """Queries per block of the local attention: on a CPU half the segment, elsewhere a quarter
     (if T divides by that), else the whole segment (one block). Fewer, larger blocks score more
-    keys a query (T + T/2 instead of T + T/4) in fewer, larger products, and on a CPU the tiny
-    preset's gradient is 5% faster with two blocks than with four (README, "On a CPU")."""
+    keys a query (T + T/2 instead of T + T/4) in fewer, larger products: on a CPU the tiny
+    preset's gradient is about 6% faster with two blocks than with four, and its forward pass
+    no slower (README, "The CPU step against the PyTorch peer"); a GPU was not measured."""
     n = 2 if jax.default_backend() == "cpu" else 4
     return T // n if T % n == 0 else T
 
@@ -407,7 +408,7 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
 
     A query sees at most T + 1 of the S keys, so the queries go in n blocks of Q, and each
     block meets only the W = T + Q keys its windows reach (W = S when that is fewer): with
-    the XL cache and Q = T / 2, 192 scores a query instead of 256, the same result.
+    the XL cache, 192 scores a query instead of 256 in two blocks (a CPU), 160 in four.
 
     The cache is a constant: its keys and values get no gradient (forward() stops it too),
     and none is computed for the leading keys that every block takes from the cache (with
