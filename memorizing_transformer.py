@@ -419,6 +419,7 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
         return swap(fused_local_attention(swap(q), swap(k), swap(v), key_valid, rel_bias, scale, config))
     B, H, T, D = q.shape
     S = k.shape[2]
+    # The cache a constant (above); XLA folds the slices and the concatenation away.
     k, v = (jnp.concatenate([jax.lax.stop_gradient(x[:, :, :S - T]), x[:, :, S - T:]], axis=2) for x in (k, v))
     Q = query_block(T)
     n, W = T // Q, min(T + Q, S)
@@ -943,6 +944,8 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
             retrievals.append({"slots": slots, "weights": weights})
         x = x + jnp.einsum("bthd,hde->bte" if fused else "bhtd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
         h = rms_norm(x, p["ffn_norm"]).reshape(B * T, -1)  # [B * T, E]
+        # dense: the weight gradient of the widest input (a [B * T, F] GELU) as a plain matmul on a
+        # CPU; the other matmuls' weight gradients were as fast as they are (README).
         x = x + dense(jax.nn.gelu(h @ p["w1"].astype(dt)), p["w2"].astype(dt)).reshape(x.shape)  # [B, T, E]
         new_k.append(jax.lax.stop_gradient(bhtd(k)))  # [B, H, T, D]
         new_v.append(jax.lax.stop_gradient(bhtd(v)))
