@@ -176,7 +176,7 @@ def test_transpose_product_equals_a_transposed_times_b(shapes):
 @pytest.mark.parametrize("name,constant", [("product_qk", 0), ("product_qk", 3), ("product_pv", 0), ("product_pv", 3),
                                            ("dense", 0)])
 def test_products_with_their_own_gradient_equal_numpy_products_and_gradients(name, constant):
-    """The local attention's two products and the FFN's output layer have hand-written
+    """The local attention's two products and the FFN's second matmul have hand-written
     gradients (so that the transposed products are transpose_products): the values and both
     gradients of sum(f(a, b) * r) against numpy's, with a, b of distinct sizes so that a
     swapped or transposed operand cannot pass. The attention's products with their first
