@@ -649,7 +649,7 @@ def top_k(keys, k, passes=None):
     return _float_keys(jax.lax.top_k(_key_floats(keys), k)[0])
 
 
-def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None):
+def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=None, slots_first=None):
     """Top-k memory slots for every query, the memory scored a piece at a time: never more
     than [B, H, T, config.memory_chunk] scores at once.
 
@@ -688,6 +688,16 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     at 65K, about a quarter of the search's time); elsewhere all rows at once: on an H200,
     blocks of 16 or 8 of the paper preset's 32 rows made its 8K step 1.3-1.5 ms slower and
     left its peak memory as it was.
+
+    slots_first: the binned search's scores laid out [.., slots, T] (True) or [.., T, slots]
+    (False), which decides the speed only (the tests hold both equal). True: each piece's
+    product reads the memory's keys as they are stored, [slots, D] contracted along D, and
+    the queries, [T, D], are the operand XLA transposes (once, T rows); the winners are
+    [.., L, T] until the top-k. False: the queries are read as they are, and XLA's CPU
+    backend copied every piece of the memory's keys to a transposed buffer before its
+    product. None: True on a CPU, where the `tiny` train step was 4.3 ms faster at 8K and 46
+    ms at 65K (the search alone 1.3x and 1.6x as fast); False elsewhere, the layout an H200
+    was measured with.
     """
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
@@ -696,10 +706,15 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     # iota) out of it, to be read back by every piece: 4x the scores' own traffic.
     qs = jax.lax.stop_gradient(q * scale.astype(q.dtype)[None, :, None, None])  # [B, H, T, D]
 
-    def score(qs, keys, valid):  # keys [B, H, *piece, D], valid [B, *piece] -> [B, H, T, *piece]
-        # The scores are the largest tensor of a step (T per slot): they stay in the queries'
-        # dtype, so bfloat16 halves their traffic. Accumulation is float32 either way.
-        s = jnp.einsum("bhtd,bh...d->bht...", qs, keys.astype(qs.dtype), preferred_element_type=qs.dtype)
+    def score(qs, keys, valid, slots_first=False):  # keys [B, H, *piece, D], valid [B, *piece]
+        # -> [B, H, T, *piece] (slots_first: [B, H, *piece, T]). The scores are the largest
+        # tensor of a step (T per slot): they stay in the queries' dtype, so bfloat16 halves
+        # their traffic. Accumulation is float32 either way.
+        keys = keys.astype(qs.dtype)
+        if slots_first:
+            s = jnp.einsum("bh...d,bhtd->bh...t", keys, qs, preferred_element_type=qs.dtype)
+            return jnp.where(valid[:, None, ..., None], s, NEG_INF)
+        s = jnp.einsum("bhtd,bh...d->bht...", qs, keys, preferred_element_type=qs.dtype)
         return jnp.where(valid[:, None, None], s, NEG_INF)
 
     if config.exact_topk:
@@ -727,20 +742,24 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
         budget = WINNERS_BYTES.get(jax.default_backend())
         batch_block = B if budget is None else max(1, budget // (H * T * L * 4))
     n = _largest_divisor_at_most(B, batch_block)
+    if slots_first is None:
+        slots_first = jax.default_backend() == "cpu"
+    a = 2 if slots_first else 3  # the rows' axis of a piece's scores, and the bins' axis of the winners
 
     def search_rows(b):  # batch rows b .. b + n - 1
         qb = jax.lax.dynamic_slice_in_dim(qs, b, n)  # [n, H, T, D]
 
-        def best_so_far(best, c):  # best: [n, H, T, L] each bin's best packed key so far
+        def best_so_far(best, c):  # best: [n, H, T, L] (slots_first: [n, H, L, T]) each bin's best packed key so far
             r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
             s = score(qb, jax.lax.dynamic_slice(keys, (b, 0, r, w, 0), (n, H, R, W, D)),
-                      jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W)))  # [n, H, T, R, W]
-            new = jnp.max(_pack(s, r + jax.lax.broadcasted_iota(jnp.int32, s.shape, 3), bits), axis=3)
-            old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=3)  # [n, H, T, W]
-            return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=3), None
+                      jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W)), slots_first)  # [n, H, T, R, W] or [n, H, R, W, T]
+            new = jnp.max(_pack(s, r + jax.lax.broadcasted_iota(jnp.int32, s.shape, a), bits), axis=a)
+            old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=a)  # [n, H, T, W] or [n, H, W, T]
+            return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=a), None
 
-        start = jnp.full((n, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
+        start = jnp.full((n, H, L, T) if slots_first else (n, H, T, L), jnp.iinfo(jnp.int32).min, jnp.int32)
         best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
+        best = jnp.swapaxes(best, 2, 3) if slots_first else best  # [n, H, T, L]
         # Keys that name their bins: the top-k needs no pass for positions.
         pos = _key_bin(top_k(_bin_keys(best), K), L)  # [n, H, T, K] the winners' bins
         vals, row = _unpack(jnp.take_along_axis(best, pos, axis=-1), bits)  # [n, H, T, K]

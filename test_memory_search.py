@@ -42,7 +42,7 @@ def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
 
 
 # ----------------------------------------------------------------------------- approximate top-k
-def integer_search(rng, cfg, fill, wide, batch_block):
+def integer_search(rng, cfg, fill, wide, batch_block, slots_first):
     """The binned search of two batch rows with `fill` valid slots (the same in both), on
     small integer queries and keys: integer scores, many of them equal, which no key rounds.
     Returns its scores and slots [B, H, T, K], and numpy's scores [B, H, T, M] (-inf where
@@ -52,31 +52,31 @@ def integer_search(rng, cfg, fill, wide, batch_block):
     mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6))(heads_first(q), mk, valid, jnp.ones(H), cfg,
-                                                                        wide, batch_block)
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6, 7))(heads_first(q), mk, valid, jnp.ones(H), cfg,
+                                                                           wide, batch_block, slots_first)
     s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
     return np.asarray(scores), np.asarray(slots), s
 
 
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), wide=st.booleans(),
-       batch_block=st.sampled_from([1, 2]))
-def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, wide, batch_block):
+       batch_block=st.sampled_from([1, 2]), slots_first=st.booleans())
+def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, wide, batch_block, slots_first):
     """M = 64 <= num_topk_bins: every slot is a bin of its own. Small integer queries and
     keys make integer scores, many of them equal, which no key rounds: the exact top-k, the
     lower slot first among equal scores (as a stable sort). The two batch rows are searched
-    together or one after the other (batch_block)."""
+    together or one after the other (batch_block), the scores laid out either way (slots_first)."""
     cfg = SMALL.replace(memory_size=64, memory_chunk=16)
     M, K = cfg.memory_size, cfg.num_neighbors
     assert mt.num_topk_bins(K, M, cfg.topk_recall_target) == M
-    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block)
+    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block, slots_first)
     n = min(K, fill)
     np.testing.assert_array_equal(np.asarray(slots)[..., :n], np.argsort(-s, axis=-1, kind="stable")[..., :n])
     np.testing.assert_array_equal(np.asarray(scores)[..., :n], np.sort(s, axis=-1)[..., ::-1][..., :n])
 
 
-@pytest.mark.parametrize("wide", [True, False])
-def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bits(wide):
+@pytest.mark.parametrize("wide, slots_first", [(True, True), (True, False), (False, True), (False, False)])
+def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bits(wide, slots_first):
     """The top-k ranks keys whose low log2(L) bits hold the bin (6 bits for L = 64), so
     float32 scores are ranked to their leading 17 mantissa bits. Every query sees the same
     scores (q = e_0, scores = the keys' first entries): random ones, some slots with a twin
@@ -95,8 +95,8 @@ def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bit
     mk[..., 0] = first
     q = np.zeros((B, T, H, D), np.float32)
     q[..., 0] = 1.0
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5))(heads_first(q), mk, np.ones((B, M), bool),
-                                                                     jnp.ones(H), cfg, wide)
+    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6, 7))(heads_first(q), mk, np.ones((B, M), bool),
+                                                                           jnp.ones(H), cfg, wide, None, slots_first)
     s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M], exact in float32
     slots = np.asarray(slots)
     np.testing.assert_array_equal(np.asarray(scores), np.take_along_axis(s, slots, -1))  # one slot a bin: no bits lost
@@ -117,19 +117,24 @@ def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bit
 
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]),
-       chunk=st.sampled_from([4, 32, 512]), wide=st.booleans(), batch_block=st.sampled_from([1, 2]))
-def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, wide, batch_block):
+       chunk=st.sampled_from([4, 32, 512]), wide=st.booleans(), batch_block=st.sampled_from([1, 2]),
+       slots_first=st.booleans())
+@example(seed=1, fill=300, chunk=32, wide=False, batch_block=1, slots_first=True)  # tall pieces, slots first
+@example(seed=2, fill=1024, chunk=512, wide=True, batch_block=2, slots_first=True)  # whole rows, slots first
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, wide, batch_block,
+                                                                           slots_first):
     """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots,
     the lower bin first among equal maxima (integer scores, many of them equal, which no key
     rounds). The memory, 8 rows of L = 128 slots, is scored in pieces of 4, 32 or 512 slots:
     wide ones 4 or 32 slots of one row or 4 whole rows, tall ones half a bin, 4 or 64 whole
-    bins; the two batch rows together or one after the other (batch_block)."""
+    bins; the two batch rows together or one after the other (batch_block); the scores laid
+    out [.., slots, T] or [.., T, slots] (slots_first)."""
     cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
     B, T, H, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.memory_size, cfg.num_neighbors
     L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
     assert L == 128  # bins of 8 slots
     size, bin_of = M // L, lambda slot: slot % L
-    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block)
+    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block, slots_first)
     valid = np.isfinite(s[:, 0, 0])  # [B, M]
     best = np.full((B, H, T, M // size), -np.inf)
     for slot in range(M):  # the bins' maxima, one slot at a time
