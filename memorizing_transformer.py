@@ -695,7 +695,7 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     the queries, [T, D], are the operand XLA transposes (once, T rows); the winners are
     [.., L, T] until the top-k. False: the queries are read as they are, and XLA's CPU
     backend copied every piece of the memory's keys to a transposed buffer before its
-    product. None: True on a CPU, where the `tiny` train step was 4.3 ms faster at 8K and 46
+    product. None: True on a CPU, where the `tiny` train step was 4.6 ms faster at 8K and 42
     ms at 65K (the search alone 1.3x and 1.6x as fast); False elsewhere, the layout an H200
     was measured with.
     """
