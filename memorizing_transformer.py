@@ -659,14 +659,14 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     slots written one after the other, whose keys resemble each other, never share a bin,
     and a memory holding n valid slots fills min(n, L) bins. Seen as [rows, L], the memory
     is scored in pieces of R rows by W bins; each bin's best packed key (_pack: score and row
-    in one int32) so far is kept in a [B, H, T, L] array, and the answer is the top-k of
-    those L winners (top_k: on a CPU, in passes), ranked by their keys with the bin in the
-    low log2(L) bits: float32 scores are ranked to 23 - log2(L) bits of their mantissa (14
-    for L = 512: scores within about 2^-14 of each other count as equal, and the lower bin
-    comes first; fewer bits only where rows outnumber bins, M > L^2, and _pack took more),
-    bfloat16 scores to all of theirs while rows and bins fit in their 16 free bits. The
-    scores returned are the packed ones (_pack). Invalid slots score NEG_INF. Not
-    differentiable: retrieval only picks slots.
+    in one int32) so far is kept in a [B, H, T, L] array ([B, H, L, T]: slots_first, below),
+    and the answer is the top-k of those L winners (top_k: on a CPU, in passes), ranked by
+    their keys with the bin in the low log2(L) bits: float32 scores are ranked to 23 - log2(L)
+    bits of their mantissa (14 for L = 512: scores within about 2^-14 of each other count as
+    equal, and the lower bin comes first; fewer bits only where rows outnumber bins, M > L^2,
+    and _pack took more), bfloat16 scores to all of theirs while rows and bins fit in their
+    16 free bits. The scores returned are the packed ones (_pack). Invalid slots score
+    NEG_INF. Not differentiable: retrieval only picks slots.
 
     wide: the pieces' shape, which decides the speed only (the tests hold both equal).
     True: whole rows (W = L, a few rows a piece), contiguous reads, and every piece reads
