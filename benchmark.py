@@ -36,9 +36,10 @@ product that XLA could not fuse shows there); DIR keeps the compiled HLO, the ra
 the tables as JSON.
 
 --search times the memory search alone instead (one memory layer's `memory_search` at the
-preset's shapes, random unit keys, every slot valid), in its three forms called in turn in
-one process: binned in pieces of whole rows, binned in pieces of whole bins (the two give
-the same answer; which is faster depends on the backend), and exact. Its recall is that of
+preset's shapes, random unit keys, every slot valid), in its four forms called in turn in
+one process: binned in pieces of whole rows, binned in pieces of whole bins, binned in whole
+rows with the scores laid out the other way (slots_first flipped: the three give the same
+answer; which is faster depends on the backend), and exact. Its recall is that of
 the binned answer against the exact one on the same keys. It also times the search's last
 stage alone, the top-k of the bins' winners, by lax.top_k and in passes (top_k_in_passes,
 which a CPU uses), and checks that the two agree.
@@ -338,7 +339,10 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
 
 def time_search(c, batch, memory_size, steps):
     """The search alone: median seconds of each form of `memory_search` over `steps` calls (the
-    forms called in turn, after one warm-up call each), and the binned answer's recall. Also
+    forms called in turn, after one warm-up call each), and the binned answer's recall. The
+    binned forms: whole rows and whole bins in the backend's layout of the scores, and whole
+    rows in the other layout (`slots_first` flipped: queries first on a CPU, slots first
+    elsewhere), which must all give the same slots. Also
     its last stage alone, the top-k of each query's L bins' winners (keys of random floats,
     each with its bin in its low bits), both ways: `lax.top_k` and `top_k_in_passes` (which
     `memory_search` uses on a CPU only)."""
@@ -351,9 +355,12 @@ def time_search(c, batch, memory_size, steps):
     q = unit(jax.random.normal(kq, (batch, H, T, D))).astype(c.dtype)  # [B, H, T, D]
     keys = unit(jax.random.normal(kk, (batch, H, memory_size, D))).astype(c.storage_dtype)  # [B, H, M, D]
     valid, scale = jnp.ones((batch, memory_size), bool), jnp.ones((H,), jnp.float32)
-    forms = {"whole_rows": (c, True), "whole_bins": (c, False), "exact": (c.replace(exact_topk=True), None)}
-    fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide: mt.memory_search(q, k, valid, scale, cfg, wide)[1])
-           for name, (cfg, wide) in forms.items()}
+    other = jax.default_backend() != "cpu"  # slots_first's value that the backend does not use
+    forms = {"whole_rows": (c, True, None), "whole_bins": (c, False, None), "other_layout": (c, True, other),
+             "exact": (c.replace(exact_topk=True), None, None)}
+    fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide, first=first:
+                         mt.memory_search(q, k, valid, scale, cfg, wide, slots_first=first)[1])
+           for name, (cfg, wide, first) in forms.items()}
     L = mt.bin_layout(K, memory_size, c.topk_recall_target)[0]
     # [B, H, T, L] keys of random floats, the bin in their low bits: distinct in a row
     winners = mt._bin_keys(mt._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0))
@@ -372,27 +379,29 @@ def time_search(c, batch, memory_size, steps):
     return {"memory_size": memory_size, "search_s": {name: median[name] for name in fns},
             "top_k_s": {name: median["top_k_" + name] for name in topks}, "bins": L,
             "recall": recall(out["whole_rows"], out["exact"]),
-            "same_slots": float(np.mean(out["whole_rows"] == out["whole_bins"])),
+            "same_slots": float(np.mean((out["whole_rows"] == out["whole_bins"]) &
+                                        (out["whole_rows"] == out["other_layout"]))),
             "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])), "device": device_name()}
 
 
 def search_table(args, base, batch, sizes):
-    """--search: the search's three forms at each nonzero memory size, in this process."""
+    """--search: the search's four forms at each nonzero memory size, in this process."""
     import train
     c = base.replace(batch_size=batch, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype)
     rows = [time_search(c.replace(memory_size=m), batch, m, args.steps) for m in sizes if m]
     print(f"device: {rows[0]['device']} | preset {args.preset}: the memory search alone, one memory layer: "
           f"B {batch}, H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries "
           f"{args.dtype}, memory in {c.storage_dtype}, median of {args.steps} calls of each form in turn")
-    print(f"\n{'memory':>8} {'bins':>6} {'whole rows ms':>14} {'whole bins ms':>14} {'exact ms':>9} {'recall':>7} "
-          f"{'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}")
+    print(f"\n{'memory':>8} {'bins':>6} {'whole rows ms':>14} {'whole bins ms':>14} {'other layout ms':>16} "
+          f"{'exact ms':>9} {'recall':>7} {'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}")
     for r in rows:
         t, k = r["search_s"], r["top_k_s"]
         print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
-              f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} "
+              f"{t['other_layout'] * 1e3:>16.2f} {t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} "
               f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
-    print("recall: the binned slots found among the exact top-k; same slots: the share on which the two binned "
-          "forms agree (1: they keep the same bins' maxima); top-k, in passes: the top-k of the bins' winners alone, "
+    print("other layout: whole rows with the scores laid out the way this backend does not use (slots_first: "
+          "queries first on a CPU, slots first elsewhere); recall: the binned slots found among the exact top-k; "
+          "same slots: the share on which the three binned forms agree (1: they keep the same bins' maxima); top-k, in passes: the top-k of the bins' winners alone, "
           "by lax.top_k and by top_k_in_passes (a CPU's memory_search uses the passes), and the share of answers "
           "on which they agree (must be 1)")
     if args.json:
@@ -517,8 +526,8 @@ def main(argv=None):
                    "trace, the HLO and the tables in DIR")
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
                    "table (three programs fewer to compile per row, for a short lease on an accelerator)")
-    p.add_argument("--search", action="store_true", help="time the memory search alone, in its three forms (binned "
-                   "in whole rows or whole bins, and exact), with the binned answer's recall, and its final top-k "
+    p.add_argument("--search", action="store_true", help="time the memory search alone, in its four forms (binned "
+                   "in whole rows or whole bins, whole rows with the scores laid out the other way, and exact), with the binned answer's recall, and its final top-k "
                    "alone, by lax.top_k and in passes; memory size 0 is skipped")
     p.add_argument("--rounds", type=int, default=0, help="also call every row's train step in turn in one process for "
                    "this many rounds, and give each row's median ratio to the no-memory step of the same round "

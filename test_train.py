@@ -595,15 +595,15 @@ def test_compile_ahead_runs_the_rows_jobs_at_a_time_and_stops_at_the_first_failu
                                        "ValueError: no\n")
 
 
-def test_benchmark_search_times_the_three_forms_of_the_search_and_the_top_k_both_ways_and_they_agree(tmp_path, capsys):
+def test_benchmark_search_times_the_four_forms_of_the_search_and_the_top_k_both_ways_and_they_agree(tmp_path, capsys):
     import benchmark
     out = tmp_path / "search.json"
     assert benchmark.main(["--search", "--preset", "synthetic", "--batch-size", "1", "--memory-sizes", "0,8192",
                            "--steps", "1", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())  # memory size 0 has no search: skipped
-    assert row["memory_size"] == 8192 and set(row["search_s"]) == {"whole_rows", "whole_bins", "exact"}
+    assert row["memory_size"] == 8192 and set(row["search_s"]) == {"whole_rows", "whole_bins", "other_layout", "exact"}
     assert all(t > 0 for t in row["search_s"].values()) and row["bins"] < 8192
-    # The two binned forms keep the same bins' maxima, so the same slots; binning loses a few.
+    # The three binned forms keep the same bins' maxima, so the same slots; binning loses a few.
     assert row["same_slots"] == 1.0 and 0.9 <= row["recall"] < 1.0
     # The final top-k of the bins' winners, by lax.top_k and in passes: the same positions.
     assert set(row["top_k_s"]) == {"lax", "passes"} and all(t > 0 for t in row["top_k_s"].values())
