@@ -397,13 +397,13 @@ def search_table(args, base, batch, sizes):
     for r in rows:
         t, k = r["search_s"], r["top_k_s"]
         print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
-              f"{t['other_layout'] * 1e3:>16.2f} {t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} "
-              f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
+              f"{t['other_layout'] * 1e3:>16.2f} {t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} "
+              f"{r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} {k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
     print("other layout: whole rows with the scores laid out the way this backend does not use (slots_first: "
           "queries first on a CPU, slots first elsewhere); recall: the binned slots found among the exact top-k; "
-          "same slots: the share on which the three binned forms agree (1: they keep the same bins' maxima); top-k, in passes: the top-k of the bins' winners alone, "
-          "by lax.top_k and by top_k_in_passes (a CPU's memory_search uses the passes), and the share of answers "
-          "on which they agree (must be 1)")
+          "same slots: the share on which the three binned forms agree (1: they keep the same bins' maxima); "
+          "top-k, in passes: the top-k of the bins' winners alone, by lax.top_k and by top_k_in_passes (a CPU's "
+          "memory_search uses the passes), and the share of answers on which they agree (must be 1)")
     if args.json:
         train.atomic_write(args.json, json.dumps(rows, indent=2))
     return 0
@@ -527,8 +527,9 @@ def main(argv=None):
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
                    "table (three programs fewer to compile per row, for a short lease on an accelerator)")
     p.add_argument("--search", action="store_true", help="time the memory search alone, in its four forms (binned "
-                   "in whole rows or whole bins, whole rows with the scores laid out the other way, and exact), with the binned answer's recall, and its final top-k "
-                   "alone, by lax.top_k and in passes; memory size 0 is skipped")
+                   "in whole rows or whole bins, whole rows with the scores laid out the other way, and exact), with "
+                   "the binned answer's recall, and its final top-k alone, by lax.top_k and in passes; memory size 0 "
+                   "is skipped")
     p.add_argument("--rounds", type=int, default=0, help="also call every row's train step in turn in one process for "
                    "this many rounds, and give each row's median ratio to the no-memory step of the same round "
                    "(the `paired` column; steadier on a shared machine than `ratio`); 0: not done")

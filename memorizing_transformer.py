@@ -749,10 +749,10 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     def search_rows(b):  # batch rows b .. b + n - 1
         qb = jax.lax.dynamic_slice_in_dim(qs, b, n)  # [n, H, T, D]
 
-        def best_so_far(best, c):  # best: [n, H, T, L] (slots_first: [n, H, L, T]) each bin's best packed key so far
+        def best_so_far(best, c):  # best: [n, H, T, L] ([n, H, L, T] slots first) each bin's best packed key so far
             r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
             s = score(qb, jax.lax.dynamic_slice(keys, (b, 0, r, w, 0), (n, H, R, W, D)),
-                      jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W)), slots_first)  # [n, H, T, R, W] or [n, H, R, W, T]
+                      jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W)), slots_first)  # [n, H, T, R, W] (or R, W, T)
             new = jnp.max(_pack(s, r + jax.lax.broadcasted_iota(jnp.int32, s.shape, a), bits), axis=a)
             old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=a)  # [n, H, T, W] or [n, H, W, T]
             return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=a), None
