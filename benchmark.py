@@ -355,7 +355,7 @@ def time_search(c, batch, memory_size, steps):
     q = unit(jax.random.normal(kq, (batch, H, T, D))).astype(c.dtype)  # [B, H, T, D]
     keys = unit(jax.random.normal(kk, (batch, H, memory_size, D))).astype(c.storage_dtype)  # [B, H, M, D]
     valid, scale = jnp.ones((batch, memory_size), bool), jnp.ones((H,), jnp.float32)
-    other = jax.default_backend() != "cpu"  # slots_first's value that the backend does not use
+    other = not mt.SLOTS_FIRST.get(jax.default_backend(), False)  # the layout the backend does not use
     forms = {"whole_rows": (c, True, None), "whole_bins": (c, False, None), "other_layout": (c, True, other),
              "exact": (c.replace(exact_topk=True), None, None)}
     fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide, first=first:

@@ -31,6 +31,8 @@ NEG_INF = -1e30  # finite "minus infinity": masked logits never produce NaN grad
 # memory_search: the most bytes of bin winners a block of batch rows keeps, by backend
 # (absent: all rows at once)
 WINNERS_BYTES = {"cpu": 2 ** 21}
+# memory_search: the backends that lay the scores out slots first (absent: queries first)
+SLOTS_FIRST = {"cpu": True}
 
 
 # ----------------------------------------------------------------------------- config
@@ -691,13 +693,12 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
 
     slots_first: the binned search's scores laid out [.., slots, T] (True) or [.., T, slots]
     (False), which decides the speed only (the tests hold both equal). True: each piece's
-    product reads the memory's keys as they are stored, [slots, D] contracted along D, and
-    the queries, [T, D], are the operand XLA transposes (once, T rows); the winners are
-    [.., L, T] until the top-k. False: the queries are read as they are, and XLA's CPU
-    backend copied every piece of the memory's keys to a transposed buffer before its
-    product. None: True on a CPU, where the `tiny` train step was 4.6 ms faster at 8K and 42
-    ms at 65K (the search alone 1.3x and 1.6x as fast); False elsewhere, the layout an H200
-    was measured with.
+    product reads the memory's keys as they are stored, [slots, D] contracted along D (the
+    compiled CPU search copies no transposed piece of them), and the winners are [.., L, T]
+    until the top-k. False: XLA's CPU backend copied every piece of the memory's keys to a
+    transposed buffer before its product. None: the backend's SLOTS_FIRST, True on a CPU,
+    where the `tiny` train step was 4.6 ms faster at 8K and 42 ms at 65K (the search alone
+    1.3x and 1.6x as fast); False elsewhere, the layout an H200 was measured with.
     """
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
@@ -743,7 +744,7 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
         batch_block = B if budget is None else max(1, budget // (H * T * L * 4))
     n = _largest_divisor_at_most(B, batch_block)
     if slots_first is None:
-        slots_first = jax.default_backend() == "cpu"
+        slots_first = SLOTS_FIRST.get(jax.default_backend(), False)
     a = 2 if slots_first else 3  # the rows' axis of a piece's scores, and the bins' axis of the winners
 
     def search_rows(b):  # batch rows b .. b + n - 1
