@@ -143,7 +143,7 @@ PRESETS = {
     # memory in the 9th layer, M = 8192, k = 32; 2^17 tokens a batch = 256 rows of 512.
     # 8 micro-batches of 32 rows on one accelerator. The memory is searched 8192 slots at a
     # time (2 GiB of bf16 scores at batch 32): on an H200, in whole bins, the 65K train step
-    # 7.4 ms faster than with 1024, 9 ms in whole rows; 8K within 1% (README, "On a GPU").
+    # 7.4 ms faster than with 1024, 9 ms in whole rows; 8K within 1% (JOURNAL.md, "On a GPU").
     "paper": Config(grad_accum=8, memory_chunk=8192),
     # One GPU, a few minutes.
     "small": Config(vocab_size=8192, d_model=512, num_layers=8, num_heads=8, head_dim=64, d_ff=2048,
@@ -295,7 +295,7 @@ def query_block(T):
     (if T divides by that), else the whole segment (one block). Fewer, larger blocks score more
     keys a query (T + T/2 instead of T + T/4) in fewer, larger products: on a CPU the tiny
     preset's gradient is about 6% faster with two blocks than with four, and its forward pass
-    no slower (README, "The CPU step against the PyTorch peer"); a GPU was not measured."""
+    no slower (JOURNAL.md, "The CPU step against the PyTorch peer"); a GPU was not measured."""
     n = 2 if jax.default_backend() == "cpu" else 4
     return T // n if T % n == 0 else T
 
@@ -679,7 +679,7 @@ def memory_search(q, mem_k, mem_valid, scale, config, wide=True, batch_block=Non
     reduction over 128 rows in two and stores the packed scores between); on an H200 the
     paper preset's train step (batch 32, bf16, pieces of 8192 slots) took 74.8 ms against
     75.6 at 8K and 89.5 against 91.1 at 65K (in pieces of 1024, whole bins spent 7.5 ms a
-    step copying keys; README, "On a GPU").
+    step copying keys; JOURNAL.md, "On a GPU").
 
     batch_block: the binned search takes this many batch rows at a time (the largest divisor
     of B that is at most this), each block to its top-k before the next starts; the answer
@@ -787,7 +787,7 @@ def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, products, 
     the K axis, XLA on a GPU stored four such products in float32 (2 GiB each at the
     paper's shapes), each transposed to put the summed axis last, and read them back to sum
     them: the paper preset's 8K step took 0.0695-0.0698 s on an H200, against 0.0658-0.0663
-    s as K terms (README, "On a GPU").
+    s as K terms (JOURNAL.md, "On a GPU").
     """
     if layout == "bthd":  # per (b, t): [H, M, D], [H, K] -> [H, K, D]
         take = jax.vmap(jax.vmap(lambda m, i: m[jnp.arange(m.shape[0])[:, None], i], in_axes=(None, 0)))
@@ -965,7 +965,7 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         x = x + jnp.einsum("bthd,hde->bte" if fused else "bhtd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
         h = rms_norm(x, p["ffn_norm"]).reshape(B * T, -1)  # [B * T, E]
         # dense: the weight gradient of the widest input (a [B * T, F] GELU) as a plain matmul on a
-        # CPU; the other matmuls' weight gradients were as fast as they are (README).
+        # CPU; the other matmuls' weight gradients were as fast as they are (JOURNAL.md).
         x = x + dense(jax.nn.gelu(h @ p["w1"].astype(dt)), p["w2"].astype(dt)).reshape(x.shape)  # [B, T, E]
         new_k.append(jax.lax.stop_gradient(bhtd(k)))  # [B, H, T, D]
         new_v.append(jax.lax.stop_gradient(bhtd(v)))
