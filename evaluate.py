@@ -518,7 +518,9 @@ def finished_or_trained(name, out, flags, steps):
 def cmd_table(args):
     preset = mt.PRESETS["tiny"]
     names = [n for n, _, _ in TABLE_ROWS]
-    wanted = [x.strip() for x in args.rows.split(",")] if args.rows else names
+    wanted = names if args.rows is None else [x.strip() for x in args.rows.split(",") if x.strip()]
+    if not wanted:
+        raise UsageError(f"--rows {args.rows!r} names no row; choose from {names}.")
     if set(wanted) - set(names):
         raise UsageError(f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}.")
     T, B = args.segment_length or preset.segment_length, args.batch_size or preset.batch_size

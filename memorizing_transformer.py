@@ -98,6 +98,9 @@ class Config:
                                  f"{self.num_layers} layers (0-based).")
         if len(set(self.memory_layers)) != len(self.memory_layers):
             raise ValueError(f"memory_layers has a repeated index: {self.memory_layers}.")
+        if self.memory_size and not self.memory_layers:
+            raise ValueError(f"memory_size is {self.memory_size} but memory_layers names no layer; "
+                             f"for no memory, set memory_size to 0.")
         if self.num_heads * self.head_dim != self.d_model:
             raise ValueError(f"num_heads * head_dim ({self.num_heads} * {self.head_dim}) must equal "
                              f"d_model ({self.d_model}).")

@@ -111,6 +111,10 @@ def sample(args):
     if args.prompt_tokens and args.prompt_doc is None:
         raise train.UsageError("--prompt-tokens goes with --prompt-doc.")
     text = args.prompt
+    try:  # a shell passes bytes that are not UTF-8 as lone surrogates, which no tokenizer takes
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError:
+        raise train.UsageError("--prompt is not UTF-8 text.") from None
     if args.prompt_file is not None:
         try:
             with open(args.prompt_file, "rb") as f:

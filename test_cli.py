@@ -412,17 +412,24 @@ def test_help_gives_every_default_and_never_none(capsys, script, argv):
     ("train", ["--vocab-size", "10"], "cannot train a tokenizer of 10 pieces"),
     ("evaluate", ["table", "--segment-length", "100000"], "GiB for its parameters"),
     ("benchmark", ["--memory-sizes", "0,17179869184"], "GiB for its parameters"),
+    ("train", ["--memory-layers", ","], "names no layer"),  # was a memory run without a memory layer
+    ("evaluate", ["table", "--rows", ""], "names no row"),  # was every row
+    ("sample", ["--prompt", "\udcff\udcfe"], "--prompt is not UTF-8 text"),  # bytes 0xff 0xfe from a shell
 ])
-def test_flags_that_passed_the_old_checks_are_refused_in_one_sentence(tmp_path, cache, capsys, script, argv, message):
-    """Issue 14.6."""
+def test_flags_that_passed_the_old_checks_are_refused_in_one_sentence(tmp_path, finished_run, cache, capsys, script,
+                                                                       argv, message):
+    """Issue 14.6, and later probes of the same kind."""
     if script == "train":
         argv = FAST + ["--out", str(tmp_path / "r"), "--cache-dir", cache] + argv
     if script == "evaluate":
         argv = argv + ["--out-root", str(tmp_path / "table")]
+    if script == "sample":
+        argv = [str(finished_run)] + argv
+    before = snapshot(finished_run)
     code, _, err = call(script, argv, capsys)
     assert_refused(code, err, argv)
     assert message in err
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
 
 
 def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run, cache, capsys, monkeypatch):

@@ -601,6 +601,7 @@ def test_out_of_range_token_ids_raise_a_clear_error(params):
     ({"memory_size": 100}, "multiple of segment_length"),
     ({"num_neighbors": 64, "memory_size": 32}, "num_neighbors"),
     ({"memory_layers": (2,)}, "out of range"),
+    ({"memory_layers": ()}, "names no layer"),
     ({"d_model": 30, "num_heads": 4, "head_dim": 8}, "head_dim"),
     ({"segment_length": 0}, "segment_length"),
     ({"memory_size": -8}, "memory_size"),
