@@ -624,3 +624,15 @@ def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size, code,
     proc.stdout.close()
     assert proc.wait(timeout=120) == expected
     assert proc.stderr.read() == ""
+
+
+def test_a_path_that_is_not_utf8_is_printed_as_its_bytes_under_any_utf8_locale():
+    """A directory named with the byte 0xff: under a UTF-8 locale other than C (stdout's errors
+    'strict', here forced by PYTHONIOENCODING) printing it once failed midway through a run,
+    after its first files were written."""
+    child = ("import argparse, train; p = argparse.ArgumentParser(); p.add_argument('out'); "
+             "train.exit_with(train.run_main(p, lambda args: print('run', args.out) or 0, None))")
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    proc = subprocess.run([sys.executable, "-c", child, b"/tmp/r\xff"], cwd=HERE, env=env, capture_output=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"run /tmp/r\xff\n", b"")

@@ -546,6 +546,10 @@ def fill_heap_holes(smallest=1024, largest=2 ** 26):
 def run_main(parser, command, argv):
     """A script's main(): parse argv (--help, or a bad flag printed in one line, end here with
     exit code 0 or 2), then run_command."""
+    if sys.stdout is sys.__stdout__ and getattr(sys.stdout, "errors", None) == "strict":
+        # A path that is not UTF-8 reaches Python as lone surrogates; under a UTF-8 locale other
+        # than C, print() would fail on it midway through a run. Print it as the bytes it was.
+        sys.stdout.reconfigure(errors="surrogateescape")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
