@@ -584,14 +584,19 @@ def exit_with(code):
 
 
 # ----------------------------------------------------------------------------- the run
+def memory_layers(text):
+    """--memory-layers "1,3" -> (1, 3)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--memory-layers takes comma-separated layer indices, got {text!r}.") from None
+
+
 def config_from_args(args, base=None):
     fields = {f.name for f in dataclasses.fields(mt.Config)}
     changes = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if args.memory_layers is not None:
-        try:
-            changes["memory_layers"] = tuple(int(x) for x in args.memory_layers.split(",") if x.strip())
-        except ValueError:
-            raise UsageError(f"--memory-layers takes comma-separated layer indices, got {args.memory_layers!r}.") from None
+        changes["memory_layers"] = memory_layers(args.memory_layers)
     base = base or mt.PRESETS[args.preset]
     try:
         return base.replace(**changes)
@@ -727,6 +732,42 @@ def shard(tree, mesh, spec):
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.npz", "eval.json", "tokenizer.model")
 
 
+# What --resume may change: how far the run goes, and how often it logs, evaluates and saves.
+RESUME_MAY_CHANGE = ("steps", "out", "resume", "log_every", "eval_every", "save_every", "cache_dir")
+
+
+def check_resume_flags(args, saved, out):
+    """--resume continues a run as it was configured: a flag that would change the model, the
+    training or the data is refused rather than ignored. A data flag is checked only when it is
+    not at its default (a default cannot be told from a flag left out)."""
+    defaults = vars(build_parser().parse_args([]))
+    config = saved["config"]
+    fields = {f.name for f in dataclasses.fields(mt.Config)}
+    for name, value in vars(args).items():
+        if name in RESUME_MAY_CHANGE or value is None:
+            continue
+        if name == "memory_layers":
+            value, was = sorted(memory_layers(value)), sorted(config.memory_layers)
+        elif name == "memory_dtype":
+            was = config.memory_dtype or config.dtype
+        elif name in fields:
+            was = getattr(config, name)
+        elif name == "tokenizer":
+            was = os.path.join(out, "tokenizer.model")
+            value, was = os.path.realpath(value), os.path.realpath(was)
+        elif name in saved["args"] and value != defaults.get(name):
+            was = saved["args"][name]
+        else:
+            continue
+        if value != was:
+            given = getattr(args, name)
+            flag = "--" + ("" if given is not False else "no-") + name.replace("_", "-")
+            flag += "" if isinstance(given, bool) else f" {given}"
+            raise UsageError(f"--resume continues the run in {out} as it was configured, and {flag} would "
+                             f"change it (the run's: {was}); drop the flag, or fine-tune the run into a new "
+                             f"--out with --init-from.")
+
+
 def run_config(args):
     """Check the flags and the run directory; return the run's output directory, config and
     tokenizer (None: train one). Reads, never writes."""
@@ -741,6 +782,7 @@ def run_config(args):
         if not os.path.isfile(os.path.join(out, "config.json")):
             raise UsageError(f"there is no run to resume in {out} (no config.json).")
         saved = read_run_config(out)
+        check_resume_flags(args, saved, out)
         config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
             setattr(args, k, saved["args"].get(k))
