@@ -288,6 +288,11 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
         if first == 4:
             assert json.loads((out / "config.json").read_text())["config"]["steps"] == 5
     assert run(tmp_path / "bad", cache, "--fresh-start") == 2
+    # The source run's tokenizer, always (another --tokenizer was once dropped without a word).
+    other = tmp_path / "other.model"
+    other.write_bytes((tmp_path / "src" / "tokenizer.model").read_bytes())
+    assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / "src"), "--tokenizer", str(other)) == 2
+    assert not (tmp_path / "bad").exists()
 
 
 def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():

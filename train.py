@@ -797,6 +797,9 @@ def run_config(args):
             tokenizer = os.path.join(args.init_from, "tokenizer.model")
             if not os.path.isfile(tokenizer):
                 raise UsageError(f"--init-from {args.init_from} is not a run directory (no tokenizer.model).")
+            if args.tokenizer and os.path.realpath(args.tokenizer) != os.path.realpath(tokenizer):
+                raise UsageError(f"--init-from {args.init_from} keeps its run's tokenizer, whose ids its weights "
+                                 f"read; drop --tokenizer {args.tokenizer}.")
     check_writable_dir(out, "--out")
     if config.batch_size % (jax.device_count() * config.grad_accum):
         raise UsageError(f"batch_size {config.batch_size} must be divisible by {jax.device_count()} devices x "
