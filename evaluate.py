@@ -502,6 +502,20 @@ def cmd_reach(args):
     return 0
 
 
+def check_planned_run(out, flags):
+    """A directory that a table or a fine-tuning would reuse or resume must hold the run that
+    `flags` train: one of other settings (another --segment-length, --data, seed, ...) is
+    refused, not reported as this one."""
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        return
+    parser = train.build_parser()
+    parser.set_defaults(**dict.fromkeys(vars(parser.parse_args([])), None))  # None: not in flags
+    conflict = train.resume_conflict(parser.parse_args(flags), train.read_run_config(out), out, defaults={})
+    if conflict:
+        raise UsageError(f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
+                         f"choose another --out-root, or remove that run.")
+
+
 def finished_or_trained(name, out, flags, steps):
     """The eval.json of the run in `out` once it has finished at `steps` (a global step count):
     reused if it has, resumed if it stopped before, trained with `flags` if it is new. An
@@ -541,6 +555,8 @@ def cmd_table(args):
         train.check_fits(config, B)
         # Seed 0 keeps the row's directory (the runs of a one-seed table); seed s > 0 goes beside it.
         runs = [(s, base if s == 0 else f"{base}_seed{s}") for s in range(args.seeds)]
+        for seed, out in runs:
+            check_planned_run(out, flags + ["--seed", str(seed)])
         plan.append((name, segments, xl, runs, flags))
     rows = []
     for name, segments, xl, runs, flags in plan:
@@ -621,6 +637,8 @@ def cmd_finetune(args):
              str(args.finetune_steps)] + (["--fresh-start"] if args.fresh_start else []),
              args.finetune_steps if args.fresh_start else total),
             ("memory from scratch", dirs["memory"], common + ["--steps", str(total)], total)]
+    for _, out, flags, _ in plan:  # every run checked before any trains
+        check_planned_run(out, flags)
     for name, out, flags, steps in plan:
         ev = finished_or_trained(name, out, flags, steps)
         if isinstance(ev, int):

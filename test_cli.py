@@ -473,14 +473,21 @@ def test_broken_run_directories_are_refused_in_one_sentence(tmp_path, finished_r
         shutil.rmtree(run)
 
 
-def test_a_table_row_whose_eval_json_is_broken_is_evaluated_again(tmp_path, finished_run, capsys):
-    """Issue 14.7: evaluate.py table reuses a row only if its eval.json is whole and of --steps."""
+def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, cache, capsys):
+    """Issue 14.7: evaluate.py table reuses a row only if its eval.json is whole and of --steps.
+    And only if the run is the row's: one of another --segment-length, batch or data was once
+    reused (or resumed) without a word and reported as the row asked for."""
     row = tmp_path / "XL_cache"
-    shutil.copytree(finished_run, row)
+    assert train.main(FAST + ["--steps", "2", "--out", str(row), "--cache-dir", cache, "--memory-size", "0",
+                              "--xl-cache", "--eval-every", "0", "--batch-size", "4", "--seed", "0"]) == 0
+    argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--steps", "2", "--segment-length", "32",
+            "--batch-size", "4", "--data", "synthetic:40"]
+    before = snapshot(tmp_path)
+    for other in (["--segment-length", "16"], ["--batch-size", "8"], ["--data", "synthetic:41"]):
+        code, _, err = call("evaluate", argv + other, capsys)
+        assert_refused(code, err, other)
+        assert "holds a run of other settings" in err and snapshot(tmp_path) == before, (other, err)
     (row / "eval.json").write_text('{"step": 2, "perplexity": 3')
-    config = json.loads((row / "config.json").read_text())
-    argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--steps", "2",
-            "--segment-length", str(config["config"]["segment_length"]), "--data", "synthetic:40"]
     code, out, err = call("evaluate", argv, capsys)
     assert code == 0, err
     assert "resuming XL cache" in out

@@ -208,6 +208,9 @@ def test_finetune_trains_without_memory_then_with_it_and_prints_both_curves(tmp_
     capsys.readouterr()
     assert evaluate.main(flags) == 0  # reuses the three runs
     assert "training" not in capsys.readouterr().out
+    # ... only with the settings they were trained with (another k was once reused unremarked)
+    assert evaluate.main(flags + ["--num-neighbors", "4"]) == 2
+    assert "holds a run of other settings (--num-neighbors 4 here, 8 there)" in capsys.readouterr().err
     # --fresh-start: one more run, counting its steps from 0, shown after the no-memory steps.
     assert evaluate.main(flags + ["--fresh-start"]) == 0
     assert capsys.readouterr().out.count("training") == 1

@@ -736,11 +736,12 @@ RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.npz", "eval.json", "tok
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "log_every", "eval_every", "save_every", "cache_dir")
 
 
-def check_resume_flags(args, saved, out):
-    """--resume continues a run as it was configured: a flag that would change the model, the
-    training or the data is refused rather than ignored. A data flag is checked only when it is
-    not at its default (a default cannot be told from a flag left out)."""
-    defaults = vars(build_parser().parse_args([]))
+def resume_conflict(args, saved, out, defaults=None):
+    """The first flag in args that would change the run saved in out (its model, training or
+    data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's value); None if there is
+    none. defaults: a data flag at its default value counts as left out, since the two cannot
+    be told apart (None: the parser's defaults; {}: every flag that is not None was given)."""
+    defaults = vars(build_parser().parse_args([])) if defaults is None else defaults
     config = saved["config"]
     fields = {f.name for f in dataclasses.fields(mt.Config)}
     for name, value in vars(args).items():
@@ -762,10 +763,18 @@ def check_resume_flags(args, saved, out):
         if value != was:
             given = getattr(args, name)
             flag = "--" + ("" if given is not False else "no-") + name.replace("_", "-")
-            flag += "" if isinstance(given, bool) else f" {given}"
-            raise UsageError(f"--resume continues the run in {out} as it was configured, and {flag} would "
-                             f"change it (the run's: {was}); drop the flag, or fine-tune the run into a new "
-                             f"--out with --init-from.")
+            return flag + ("" if isinstance(given, bool) else f" {given}"), was
+    return None
+
+
+def check_resume_flags(args, saved, out):
+    """--resume continues a run as it was configured: a flag that would change it is refused
+    rather than ignored."""
+    conflict = resume_conflict(args, saved, out)
+    if conflict:
+        raise UsageError(f"--resume continues the run in {out} as it was configured, and {conflict[0]} would "
+                         f"change it (the run's: {conflict[1]}); drop the flag, or fine-tune the run into a new "
+                         f"--out with --init-from.")
 
 
 def run_config(args):
