@@ -545,8 +545,10 @@ def cmd_table(args):
         flags = ["--data", args.data, "--steps", str(args.steps), "--segment-length", str(T),
                  "--memory-size", str(segments * T), "--xl-cache" if xl else "--no-xl-cache",
                  "--eval-every", "0", "--batch-size", str(B)]
-        flags += ["--num-neighbors", str(args.num_neighbors)] if args.num_neighbors else []
-        flags += ["--init-gate-bias", str(args.init_gate_bias)] if args.init_gate_bias is not None and segments else []
+        # every setting named, the preset's where a flag is not given: a row's run of other settings is then refused
+        flags += ["--num-neighbors", str(args.num_neighbors or preset.num_neighbors)]
+        gate = preset.init_gate_bias if args.init_gate_bias is None else args.init_gate_bias
+        flags += ["--init-gate-bias", str(gate)] if segments else []
         try:
             config = preset.replace(segment_length=T, memory_size=segments * T, xl_cache=xl, batch_size=B,
                                     num_neighbors=args.num_neighbors or preset.num_neighbors)
@@ -626,6 +628,9 @@ def cmd_finetune(args):
         raise UsageError(str(e)) from None
     if not config.memory_size:
         raise UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
+    # every setting named, the preset's where a flag is not given: a run of other settings is then refused
+    common += ["--segment-length", str(config.segment_length), "--batch-size", str(config.batch_size),
+               "--num-neighbors", str(config.num_neighbors), "--memory-size", str(config.memory_size)]
     train.check_fits(config, config.batch_size)
     train.check_writable_dir(args.out_root, "--out-root")
     # A fresh start counts its steps from 0 again: its own directory, and its curve shifted.

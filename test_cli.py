@@ -481,12 +481,15 @@ def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, c
     assert train.main(FAST + ["--steps", "2", "--out", str(row), "--cache-dir", cache, "--memory-size", "0",
                               "--xl-cache", "--eval-every", "0", "--batch-size", "4", "--seed", "0"]) == 0
     argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--steps", "2", "--segment-length", "32",
-            "--batch-size", "4", "--data", "synthetic:40"]
+            "--batch-size", "4", "--num-neighbors", "8", "--data", "synthetic:40"]
     before = snapshot(tmp_path)
-    for other in (["--segment-length", "16"], ["--batch-size", "8"], ["--data", "synthetic:41"]):
-        code, _, err = call("evaluate", argv + other, capsys)
-        assert_refused(code, err, other)
-        assert "holds a run of other settings" in err and snapshot(tmp_path) == before, (other, err)
+    left_out = argv[:-4] + argv[-2:]  # no --num-neighbors: the preset's 32
+    assert left_out[-4:] == ["--batch-size", "4", "--data", "synthetic:40"]
+    for probe in [argv + other for other in (["--segment-length", "16"], ["--batch-size", "8"],
+                                             ["--data", "synthetic:41"], ["--num-neighbors", "4"])] + [left_out]:
+        code, _, err = call("evaluate", probe, capsys)
+        assert_refused(code, err, probe)
+        assert "holds a run of other settings" in err and snapshot(tmp_path) == before, (probe, err)
     (row / "eval.json").write_text('{"step": 2, "perplexity": 3')
     code, out, err = call("evaluate", argv, capsys)
     assert code == 0, err
