@@ -508,9 +508,8 @@ def check_planned_run(out, flags):
     refused, not reported as this one."""
     if not os.path.isfile(os.path.join(out, "config.json")):
         return
-    parser = train.build_parser()
-    parser.set_defaults(**dict.fromkeys(vars(parser.parse_args([])), None))  # None: not in flags
-    conflict = train.resume_conflict(parser.parse_args(flags), train.read_run_config(out), out, defaults={})
+    args = train.build_parser().parse_args(flags)
+    conflict = train.resume_conflict(args, train.read_run_config(out), out, train.given_flags(flags))
     if conflict:
         raise UsageError(f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
                          f"choose another --out-root, or remove that run.")

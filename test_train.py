@@ -459,8 +459,9 @@ def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
 
 def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_would_not(tmp_path, cache, capsys):
     """--resume once ignored every model, training and data flag without a word (--lr 0.5 trained
-    on at the run's own rate). Now such a flag is refused before anything is written; one that
-    repeats the run's value, or says how often to log, is taken."""
+    on at the run's own rate). Now such a flag is refused before anything is written, also at
+    its default value (--data stdlib on a run of other data); one that repeats the run's value,
+    or says how often to log, is taken."""
     out = tmp_path / "r"
     assert run(out, cache, "--steps", "1") == 0
     capsys.readouterr()
@@ -469,12 +470,12 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_woul
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
     for flag in (["--lr", "0.5"], ["--memory-size", "128"], ["--memory-layers", "0"], ["--seed", "3"],
                  ["--no-xl-cache"], ["--dtype", "bfloat16"], ["--preset", "small"], ["--data", "synthetic:41"],
-                 ["--eval-docs", "3"], ["--tokenizer", str(other)]):
+                 ["--eval-docs", "3"], ["--tokenizer", str(other)], ["--data", "stdlib"]):
         assert run(out, cache, "--steps", "2", "--resume", *flag) == 2, flag
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and " ".join(flag) + " would" in err and "would change it" in err, (flag, err)
         assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before, flag
-    same = ["--memory-layers", "2", "--memory-dtype", "float32", "--xl-cache", "--tokenizer",
+    same = ["--preset", "tiny", "--memory-layers", "2", "--memory-dtype", "float32", "--xl-cache", "--tokenizer",
             str(out / "tokenizer.model"), "--log-every", "2", "--save-every", "1"]
     assert run(out, cache, "--steps", "2", "--resume", *same) == 0
     assert json.loads((out / "eval.json").read_text())["step"] == 2

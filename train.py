@@ -736,16 +736,22 @@ RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.npz", "eval.json", "tok
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "log_every", "eval_every", "save_every", "cache_dir")
 
 
-def resume_conflict(args, saved, out, defaults=None):
-    """The first flag in args that would change the run saved in out (its model, training or
-    data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's value); None if there is
-    none. defaults: a data flag at its default value counts as left out, since the two cannot
-    be told apart (None: the parser's defaults; {}: every flag that is not None was given)."""
-    defaults = vars(build_parser().parse_args([])) if defaults is None else defaults
+def given_flags(argv):
+    """The flags that argv gives, by their names in args: once parsed, a flag left out and one
+    given at its default value look alike."""
+    blank = build_parser()
+    blank.set_defaults(**dict.fromkeys(vars(blank.parse_args([])), None))
+    return {name for name, value in vars(blank.parse_args(argv)).items() if value is not None}
+
+
+def resume_conflict(args, saved, out, given):
+    """The first flag of `given` (names in args) that would change the run saved in out (its
+    model, training or data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's value);
+    None if there is none."""
     config = saved["config"]
     fields = {f.name for f in dataclasses.fields(mt.Config)}
     for name, value in vars(args).items():
-        if name in RESUME_MAY_CHANGE or value is None:
+        if name in RESUME_MAY_CHANGE or name not in given:
             continue
         if name == "memory_layers":
             value, was = sorted(memory_layers(value)), sorted(config.memory_layers)
@@ -756,7 +762,7 @@ def resume_conflict(args, saved, out, defaults=None):
         elif name == "tokenizer":
             was = os.path.join(out, "tokenizer.model")
             value, was = os.path.realpath(value), os.path.realpath(was)
-        elif name in saved["args"] and value != defaults.get(name):
+        elif name in saved["args"]:
             was = saved["args"][name]
         else:
             continue
@@ -767,19 +773,20 @@ def resume_conflict(args, saved, out, defaults=None):
     return None
 
 
-def check_resume_flags(args, saved, out):
+def check_resume_flags(args, saved, out, given=None):
     """--resume continues a run as it was configured: a flag that would change it is refused
-    rather than ignored."""
-    conflict = resume_conflict(args, saved, out)
+    rather than ignored. given: the flags the command line gave (None: every one not None)."""
+    given = {name for name, value in vars(args).items() if value is not None} if given is None else given
+    conflict = resume_conflict(args, saved, out, given)
     if conflict:
         raise UsageError(f"--resume continues the run in {out} as it was configured, and {conflict[0]} would "
                          f"change it (the run's: {conflict[1]}); drop the flag, or fine-tune the run into a new "
                          f"--out with --init-from.")
 
 
-def run_config(args):
+def run_config(args, given=None):
     """Check the flags and the run directory; return the run's output directory, config and
-    tokenizer (None: train one). Reads, never writes."""
+    tokenizer (None: train one). Reads, never writes. given: as for check_resume_flags."""
     if args.resume and args.init_from:
         raise UsageError("--resume and --init-from cannot be combined.")
     if args.fresh_start and not args.init_from:
@@ -791,7 +798,7 @@ def run_config(args):
         if not os.path.isfile(os.path.join(out, "config.json")):
             raise UsageError(f"there is no run to resume in {out} (no config.json).")
         saved = read_run_config(out)
-        check_resume_flags(args, saved, out)
+        check_resume_flags(args, saved, out, given)
         config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
             setattr(args, k, saved["args"].get(k))
@@ -924,11 +931,11 @@ def use_compilation_cache(cache_dir):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # all of them: no compiling at all
 
 
-def train(args):
+def train(args, given=None):
     """Every check (flags, run directory, data, checkpoints, memory) comes before the first
     write: a refused command leaves every file as it was."""
     t_start = time.time()
-    out, config, tokenizer = run_config(args)
+    out, config, tokenizer = run_config(args, given)
     ckpt_path = os.path.join(out, "checkpoint.npz")
     train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
     use_compilation_cache(args.cache_dir)  # before the first compile
@@ -1036,7 +1043,8 @@ def _truncate_metrics(path, step, final=False):
 
 
 def main(argv=None):
-    return run_main(build_parser(), train, argv)
+    # argv is parsed a second time to tell which flags it gives; having parsed once, it cannot fail
+    return run_main(build_parser(), lambda args: train(args, given_flags(argv)), argv)
 
 
 if __name__ == "__main__":
