@@ -456,18 +456,23 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
     """BPE SentencePiece (as in the paper) on a bounded sample. Byte fallback and identity
     normalization make decode(encode(text)) == text, newlines and indentation included."""
     import sentencepiece as spm
-    model = io.BytesIO()
+    model, lines, symbols = io.BytesIO(), _sample_lines(docs, max_chars, seed), ["\n", "\t"]
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(_sample_lines(docs, max_chars, seed)), model_writer=model,
+            sentence_iterator=iter(lines), model_writer=model,
             vocab_size=vocab_size, hard_vocab_limit=False, model_type="bpe", character_coverage=1.0,
             byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, allow_whitespace_only_pieces=True, user_defined_symbols=["\n", "\t"],
+            add_dummy_prefix=False, allow_whitespace_only_pieces=True, user_defined_symbols=symbols,
             pad_id=PAD_ID, unk_id=1, bos_id=-1, eos_id=-1, max_sentence_length=1 << 16,
             num_threads=os.cpu_count() or 1, minloglevel=2)
-    except RuntimeError as e:  # e.g. a vocabulary too small for the corpus's characters
-        raise DataError(f"cannot train a tokenizer of {vocab_size} pieces on this corpus: "
-                        f"{str(e).strip().splitlines()[-1]}") from None
+    except RuntimeError as e:
+        # Every byte (the fallback), pad and unk, and every character of the sample (coverage 1.0)
+        # get a piece each; a smaller vocabulary is what usually fails here.
+        chars = len(set("".join(lines)) | set(symbols))
+        need = 256 + 2 + chars
+        why = (f"it needs at least {need} (256 bytes, pad and unk, and its {chars} distinct characters); "
+               f"raise --vocab-size" if vocab_size < need else str(e).strip().splitlines()[-1])
+        raise DataError(f"cannot train a tokenizer of {vocab_size} pieces on this corpus: {why}.") from None
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(model.getvalue())

@@ -186,6 +186,18 @@ def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("text", ["ab cd ", "ab\ncd\tef é\n"])
+def test_a_vocabulary_too_small_names_the_smallest_that_trains(tmp_path, text):
+    """A piece per byte, pad and unk, and per distinct character (newline and tab always among
+    them): the smallest vocabulary SentencePiece accepts here, to the piece. Was one line of
+    SentencePiece's internal check."""
+    docs = [data.Document(f"d{i}", text * 300 + str(i)) for i in range(4)]
+    need = 256 + 2 + len(set("".join(d.text for d in docs)) | {"\n", "\t"})
+    with pytest.raises(data.DataError, match=f"of {need - 1} pieces on this corpus: it needs at least {need} "):
+        data.train_tokenizer(docs, need - 1, str(tmp_path / "small.model"))
+    assert data.train_tokenizer(docs, need, str(tmp_path / "enough.model")).get_piece_size() == need
+
+
 def test_synthetic_references_decode_to_their_values_and_their_distances_are_exact(tmp_path):
     docs = data.synthetic_documents(num_docs=3, seed=1)
     assert docs[0].text == data.synthetic_documents(num_docs=3, seed=1)[0].text
