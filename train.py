@@ -773,10 +773,9 @@ def resume_conflict(args, saved, out, given):
     return None
 
 
-def check_resume_flags(args, saved, out, given=None):
-    """--resume continues a run as it was configured: a flag that would change it is refused
-    rather than ignored. given: the flags the command line gave (None: every one not None)."""
-    given = {name for name, value in vars(args).items() if value is not None} if given is None else given
+def check_resume_flags(args, saved, out, given):
+    """--resume continues a run as it was configured: a flag of `given` (the flags the command
+    line gave) that would change it is refused rather than ignored."""
     conflict = resume_conflict(args, saved, out, given)
     if conflict:
         raise UsageError(f"--resume continues the run in {out} as it was configured, and {conflict[0]} would "
@@ -784,9 +783,9 @@ def check_resume_flags(args, saved, out, given=None):
                          f"--out with --init-from.")
 
 
-def run_config(args, given=None):
+def run_config(args, given):
     """Check the flags and the run directory; return the run's output directory, config and
-    tokenizer (None: train one). Reads, never writes. given: as for check_resume_flags."""
+    tokenizer (None: train one). Reads, never writes. given: the flags the command line gave."""
     if args.resume and args.init_from:
         raise UsageError("--resume and --init-from cannot be combined.")
     if args.fresh_start and not args.init_from:
@@ -931,9 +930,9 @@ def use_compilation_cache(cache_dir):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # all of them: no compiling at all
 
 
-def train(args, given=None):
+def train(args, given):
     """Every check (flags, run directory, data, checkpoints, memory) comes before the first
-    write: a refused command leaves every file as it was."""
+    write: a refused command leaves every file as it was. given: the flags argv gave."""
     t_start = time.time()
     out, config, tokenizer = run_config(args, given)
     ckpt_path = os.path.join(out, "checkpoint.npz")
