@@ -269,7 +269,7 @@ def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tm
             np.testing.assert_allclose(after[gate], 0.0, atol=1e-6)  # fresh: g = 0.5
 
 
-def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_fresh_start(tmp_path, cache):
+def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_fresh_start(tmp_path, cache, capsys):
     """Sec. 4.4 fine-tunes "for an additional 20K steps": the step count (so the schedule, no
     second warmup) and Adafactor's statistics continue; --fresh-start restarts them."""
     assert run(tmp_path / "src", cache, "--steps", "3") == 0
@@ -291,8 +291,9 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     # The source run's tokenizer, always (another --tokenizer was once dropped without a word).
     other = tmp_path / "other.model"
     other.write_bytes((tmp_path / "src" / "tokenizer.model").read_bytes())
+    capsys.readouterr()
     assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / "src"), "--tokenizer", str(other)) == 2
-    assert not (tmp_path / "bad").exists()
+    assert "keeps its run's tokenizer" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
