@@ -1,5 +1,6 @@
 """train.py: Adafactor against its definition, the schedule, checkpoints, resume, init-from,
 sharding, the smoke run and the command line's answers to bad input."""
+import argparse
 import json
 import math
 import os
@@ -480,6 +481,30 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_woul
             str(out / "tokenizer.model"), "--log-every", "2", "--save-every", "1"]
     assert run(out, cache, "--steps", "2", "--resume", *same) == 0
     assert json.loads((out / "eval.json").read_text())["step"] == 2
+
+
+def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, monkeypatch):
+    """--data corpus on the command line that trained the run, --data ./corpus/ or a link to it on
+    the one that resumes it: the same directory, taken. Another directory is refused, and so is
+    a path that merely reads like the embedded corpus's name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "other").mkdir()
+    os.symlink(tmp_path / "corpus", tmp_path / "link")
+    config = mt.PRESETS["tiny"]
+
+    def conflict(was, value):
+        saved = {"config": config, "args": {"data": was}}
+        return train.resume_conflict(argparse.Namespace(data=value), saved, str(tmp_path / "run"), {"data"})
+
+    for same in ("corpus", "./corpus/", str(tmp_path / "corpus"), "link", "other/../corpus"):
+        assert conflict("corpus", same) is None, same
+    assert conflict("corpus", "other") == ("--data other", os.path.realpath(tmp_path / "corpus"))
+    assert conflict("stdlib", "stdlib") is None and conflict("synthetic:40", "synthetic:40") is None
+    (tmp_path / "stdlib").mkdir()
+    assert conflict("stdlib", "./stdlib") == ("--data ./stdlib", "stdlib")
+    assert conflict("./stdlib", "stdlib") == ("--data stdlib", "./stdlib")
+    assert conflict("synthetic:40", "synthetic:41") == ("--data synthetic:41", "synthetic:40")
 
 
 # ----------------------------------------------------------------------------- benchmark.py
