@@ -354,6 +354,15 @@ def is_synthetic(source):
     return source == "synthetic" or source.startswith("synthetic:")
 
 
+def same_source(a, b):
+    """Whether two --data values name the same corpus: the same name for the embedded and the
+    generated ones; the same file or directory for paths (./corpus/, corpus and a link to it)."""
+    named = lambda s: s == "stdlib" or is_synthetic(s)  # noqa: E731
+    if named(a) or named(b):
+        return a == b
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def reference_distances(tokens, is_reference):
     """For each reference token, how many tokens back the same (previous token, token) pair
     last occurred: how far a model must look to copy it. 0 for other tokens; -1 for a

@@ -76,7 +76,7 @@ def validation_docs(args, run_args, sp, config):
     """The run's validation documents as training scored them, as token arrays: the same
     split, the run's --suffixes (for its own corpus) and its --min-doc-tokens filter."""
     source = args.data or run_args["data"]
-    own = source == run_args["data"]
+    own = data.same_source(source, run_args["data"])
     fmt = args.data_format or (run_args["data_format"] if own else "auto")
     suffixes = train.parse_suffixes(run_args.get("suffixes")) if own else None
     docs = data.load_documents(source, fmt, seed=0, verbose=False, suffixes=suffixes)

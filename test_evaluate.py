@@ -3,6 +3,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import shutil
 
 import jax
@@ -63,6 +64,31 @@ def test_perplexity_with_exact_topk_scores_the_same_weights_with_the_exact_searc
                           train.make_eval_step(train.step_config(exact)))
     assert r["exact_topk"] is True and r["tokens"] == want["tokens"]
     assert r["perplexity"] == pytest.approx(want["perplexity"], rel=1e-6)
+
+
+def test_the_runs_own_corpus_however_spelled_is_read_with_the_runs_format_and_suffixes(run_dir, tmp_path,
+                                                                                       monkeypatch):
+    """--data ./corpus/ (or a link) on a run of --data corpus --data-format repo --suffixes .py is
+    the run's own corpus, so its validation documents are read as the run read them: only the
+    .py files. Another corpus is read with its own format and every file."""
+    monkeypatch.chdir(tmp_path)
+    for i in range(6):
+        (tmp_path / "corpus" / f"pkg{i}").mkdir(parents=True)
+        (tmp_path / "corpus" / f"pkg{i}" / "a.py").write_text(f"x = {i}\n" * 20)
+        (tmp_path / "corpus" / f"pkg{i}" / "notes.md").write_text(f"# notes {i}\n" * 20)
+    shutil.copytree(tmp_path / "corpus", tmp_path / "copy")
+    os.symlink(tmp_path / "corpus", tmp_path / "link")
+    config, _, sp, run_args = evaluate.load_run(run_dir)
+    run_args = dict(run_args, data="corpus", data_format="repo", suffixes=".py", min_doc_tokens=0)
+
+    def texts(data_flag):
+        docs, _ = evaluate.validation_docs(argparse.Namespace(data=data_flag, data_format=None), run_args, sp, config)
+        return [sp.decode([int(t) for t in d]) for d in docs]
+
+    own = texts(None)
+    assert own and all("x = " in t and "notes" not in t for t in own)
+    assert texts("./corpus/") == texts("link") == texts(str(tmp_path / "corpus")) == own
+    assert any("notes" in t for t in texts("copy"))
 
 
 def test_perplexity_scores_by_default_what_the_run_scored(run_dir, tmp_path):

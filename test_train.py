@@ -499,7 +499,7 @@ def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, mo
 
     for same in ("corpus", "./corpus/", str(tmp_path / "corpus"), "link", "other/../corpus"):
         assert conflict("corpus", same) is None, same
-    assert conflict("corpus", "other") == ("--data other", os.path.realpath(tmp_path / "corpus"))
+    assert conflict("corpus", "other") == ("--data other", "corpus")
     assert conflict("stdlib", "stdlib") is None and conflict("synthetic:40", "synthetic:40") is None
     (tmp_path / "stdlib").mkdir()
     assert conflict("stdlib", "./stdlib") == ("--data ./stdlib", "stdlib")

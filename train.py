@@ -762,10 +762,10 @@ def resume_conflict(args, saved, out, given):
         elif name == "tokenizer":
             was = os.path.join(out, "tokenizer.model")
             value, was = os.path.realpath(value), os.path.realpath(was)
-        elif name == "data" and name in saved["args"]:  # ./corpus/ is corpus: the same directory
+        elif name == "data" and name in saved["args"]:
             was = saved["args"][name]
-            if not (data.is_synthetic(value) or value == "stdlib" or data.is_synthetic(was) or was == "stdlib"):
-                value, was = os.path.realpath(value), os.path.realpath(was)
+            if data.same_source(value, was):  # ./corpus/ is corpus
+                continue
         elif name in saved["args"]:
             was = saved["args"][name]
         else:
