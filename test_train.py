@@ -459,7 +459,8 @@ def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
     assert "this config needs" in capsys.readouterr().err
 
 
-def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_would_not(tmp_path, cache, capsys):
+def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_would_not(tmp_path, cache, capsys,
+                                                                                     monkeypatch):
     """--resume once ignored every model, training and data flag without a word (--lr 0.5 trained
     on at the run's own rate). Now such a flag is refused before anything is written, also at
     its default value (--data stdlib on a run of other data); one that repeats the run's value,
@@ -481,6 +482,17 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_woul
             str(out / "tokenizer.model"), "--log-every", "2", "--save-every", "1"]
     assert run(out, cache, "--steps", "2", "--resume", *same) == 0
     assert json.loads((out / "eval.json").read_text())["step"] == 2
+    # A run of a relative --data path, resumed from another directory: named, not a bare "does not exist".
+    saved = json.loads((out / "config.json").read_text())
+    saved["args"]["data"] = "corpus"
+    (out / "config.json").write_text(json.dumps(saved))
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--out", str(out), "--resume", "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"'corpus' does not exist from {tmp_path}" in err and "started in" in err, err
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
 
 def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, monkeypatch):

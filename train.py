@@ -806,6 +806,11 @@ def run_config(args, given):
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
             setattr(args, k, saved["args"].get(k))
         args.min_doc_tokens = args.min_doc_tokens or 0
+        if not (args.data == "stdlib" or data.is_synthetic(args.data) or os.path.isabs(args.data)
+                or os.path.exists(args.data)):
+            raise UsageError(f"the run's --data {args.data!r} does not exist from {os.getcwd()}: a relative path "
+                             f"is read from the directory train.py runs in, so resume from the one the run "
+                             f"was started in.")
         tokenizer = os.path.join(out, "tokenizer.model")
     else:
         if os.path.isdir(out) and any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES):
