@@ -75,6 +75,8 @@ def load_run(run_dir, memory_size=None):
 def validation_docs(args, run_args, sp, config):
     """The run's validation documents as training scored them, as token arrays: the same
     split, the run's --suffixes (for its own corpus) and its --min-doc-tokens filter."""
+    if not args.data:
+        train.check_run_data_here(run_args["data"])
     source = args.data or run_args["data"]
     own = data.same_source(source, run_args["data"])
     fmt = args.data_format or (run_args["data_format"] if own else "auto")

@@ -89,6 +89,9 @@ def test_the_runs_own_corpus_however_spelled_is_read_with_the_runs_format_and_su
     assert own and all("x = " in t and "notes" not in t for t in own)
     assert texts("./corpus/") == texts("link") == texts(str(tmp_path / "corpus")) == own
     assert any("notes" in t for t in texts("copy"))
+    monkeypatch.chdir(tmp_path / "copy")  # the run's relative path, from elsewhere: named
+    with pytest.raises(train.UsageError, match="'corpus' does not exist from .*started in"):
+        texts(None)
 
 
 def test_perplexity_scores_by_default_what_the_run_scored(run_dir, tmp_path):

@@ -744,6 +744,13 @@ def given_flags(argv):
     return {name for name, value in vars(blank.parse_args(argv)).items() if value is not None}
 
 
+def check_run_data_here(source):
+    """A run keeps its --data as typed: a relative path is relative to where the run started."""
+    if not (source == "stdlib" or data.is_synthetic(source) or os.path.isabs(source) or os.path.exists(source)):
+        raise UsageError(f"the run's --data {source!r} does not exist from {os.getcwd()}: a relative path is read "
+                         f"from the directory the command runs in, so run it from the one the run was started in.")
+
+
 def resume_conflict(args, saved, out, given):
     """The first flag of `given` (names in args) that would change the run saved in out (its
     model, training or data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's value);
@@ -806,11 +813,7 @@ def run_config(args, given):
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
             setattr(args, k, saved["args"].get(k))
         args.min_doc_tokens = args.min_doc_tokens or 0
-        if not (args.data == "stdlib" or data.is_synthetic(args.data) or os.path.isabs(args.data)
-                or os.path.exists(args.data)):
-            raise UsageError(f"the run's --data {args.data!r} does not exist from {os.getcwd()}: a relative path "
-                             f"is read from the directory train.py runs in, so resume from the one the run "
-                             f"was started in.")
+        check_run_data_here(args.data)
         tokenizer = os.path.join(out, "tokenizer.model")
     else:
         if os.path.isdir(out) and any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES):
