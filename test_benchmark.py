@@ -1,0 +1,178 @@
+"""benchmark.py: its rows and JSON, --train-only, --profile's tables, the alternated rounds,
+--compile-jobs, --search and its answers to bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import benchmark
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
+    out = tmp_path / "rows.json"
+    # The smallest preset (2 layers) at 2 rows: the test is about the rows and the JSON, and
+    # each row compiles four programs in a process of its own.
+    proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2",
+                           "--memory-sizes", "0,512", "--steps", "1", "--json", str(out)], cwd=HERE,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["memory_size"] for r in rows] == [0, 512]
+    for r in rows:
+        assert {"memory_size", "step_s", "ratio", "floor_ratio", "tokens_per_s", "peak_bytes", "recall"} <= set(r)
+        assert r["step_s"] > 0 and r["peak_bytes"] > 0 and r["profile"] is None
+    assert rows[0]["ratio"] == 1.0 and rows[0]["floor_ratio"] == 1.0 and rows[0]["recall"] is None
+    assert rows[1]["floor_ratio"] > 1.0 and 0.9 <= rows[1]["recall"] <= 1.0
+    assert rows[0]["peak_growth"] is None and rows[1]["peak_growth"] is not None
+    assert rows[0]["grad_s"] > rows[0]["loss_forward_s"] > 0 and rows[1]["grad_over_forward"] is None
+    assert rows[0]["grad_over_forward"] == rows[0]["grad_s"] / rows[0]["loss_forward_s"]
+    device = "CPU" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+    assert f"device: {device}" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
+
+
+def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_the_ops(tmp_path):
+    out = tmp_path / "rows.json"
+    # --compile-jobs with no compilation cache of the test session's: the benchmark makes its
+    # own in TMPDIR, and removes it at the end.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2", "--memory-sizes",
+                           "512", "--steps", "1", "--train-only", "--json", str(out), "--profile", str(tmp_path / "prof"),
+                           "--rounds", "1", "--compile-jobs", "2"], cwd=HERE, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["step_s"] > 0 and row["peak_bytes"] > 0 and 0.9 <= row["recall"] <= 1.0
+    # --compile-jobs: compiled ahead in another process; the timed row loaded the compiled step
+    # from the cache (its first call, load and step, is shorter than that compile).
+    assert 0 < row["compile_s"] < row["compiled_ahead_s"] and "compiled ahead: 1 rows" in proc.stderr
+    assert not list((tmp_path / "tmp").iterdir())
+    # --rounds: the one row is its own base (no size 0 given), so its paired ratio is 1.
+    assert row["paired_ratio"] == row["paired_min"] == row["paired_max"] == 1.0 and "paired" in proc.stdout
+    assert row["forward_s"] is None and row["forward_ratio"] is None and row["grad_s"] is None
+    assert "train step" in proc.stdout and "forward pass" not in proc.stdout
+    # --profile: the operations that took the time, each named after the JAX operation it came from.
+    prof = json.loads((tmp_path / "prof" / "profile_M512.json").read_text())
+    # (A GPU's library matmuls carry no JAX operation: they are "library matmul".)
+    assert prof["ms_per_step"] > 0 and prof["ops"] and any("dot_general" in op["source"] or op["source"] == "library matmul"
+                                                           for op in prof["by_source"])
+    assert abs(sum(op["share"] for op in prof["by_source"]) - 1) < 1e-6 and row["profile"]
+    assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
+    # ... and the largest arrays the step's operations produce, largest first, each as many bytes as its shape holds.
+    buffers = prof["largest_buffers"]
+    assert buffers == row["profile"]["largest_buffers"]
+    assert "the largest arrays the step's operations produce" in proc.stdout
+    assert [b["bytes"] for b in buffers] == sorted((b["bytes"] for b in buffers), reverse=True)
+    for b in buffers:
+        dtype, dims = b["shape"].rstrip("]").split("[")
+        itemsize = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                    "pred": 1, "s8": 1, "u8": 1}[dtype]
+        assert b["bytes"] == itemsize * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def test_largest_buffers_counts_what_operations_write_and_not_the_values_inside_fusions():
+    """benchmark.largest_buffers reads a compiled program's HLO: the outputs of the entry
+    computation's and loop bodies' operations (each element of a tuple on its own), not those
+    inside a fused computation, nor parameters, bitcasts and tuples, which write nothing."""
+    hlo = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%fused_transpose.5 (param_0: f32[2,3]) -> f32[64,64,64] {
+  %param_0 = f32[2,3]{1,0} parameter(0)
+  ROOT %transpose.1 = f32[64,64,64]{2,1,0} transpose(%param_0), dimensions={1,0}
+}
+
+%region_0.2 (arg: (s32[], bf16[16,16])) -> (s32[], bf16[16,16]) {
+  %arg = (s32[], bf16[16,16]{1,0}) parameter(0)
+  %loop_fusion.3 = bf16[16,16]{1,0} fusion(%arg), kind=kLoop, calls=%fused_transpose.5
+  ROOT %tuple.2 = (s32[], bf16[16,16]{1,0}) tuple(%gte, %loop_fusion.3)
+}
+
+ENTRY %main.9 (p: f32[1024,1024]) -> f32[8] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %bitcast.1 = f32[1048576]{0} bitcast(%p)
+  %custom-call.89 = (f32[32,16]{0,1}, s8[4096]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %input_transpose_fusion.3 = f32[4,8,2,128,32]{4,3,2,1,0} fusion(%p), kind=kInput, calls=%fused_transpose.5, metadata={op_name="jit(step)/jvp()/mul"}
+  %while.1 = (s32[], bf16[16,16]{1,0}) while(%t), condition=%c, body=%region_0.2
+  ROOT %copy.4 = f32[8]{0} copy(%x)
+}
+"""
+    got = benchmark.largest_buffers(hlo, n=4)
+    assert [(b["op"], b["opcode"], b["shape"], b["bytes"]) for b in got] == [
+        ("input_transpose_fusion.3", "fusion", "f32[4,8,2,128,32]", 4 * 4 * 8 * 2 * 128 * 32),
+        ("custom-call.89", "custom-call", "s8[4096]", 4096),
+        ("custom-call.89", "custom-call", "f32[32,16]", 4 * 32 * 16),
+        ("loop_fusion.3", "fusion", "bf16[16,16]", 2 * 16 * 16)]
+    assert len(benchmark.largest_buffers(hlo)) == 5  # and the copy's 32 bytes
+
+
+def test_alternated_rounds_give_each_row_its_steps_over_the_no_memory_steps_of_the_same_rounds(monkeypatch):
+    """benchmark.py --rounds: each row's ratio is the median over rounds of its step time over
+    the no-memory step's in the same round, after two warm-up rounds. A fake clock: each step
+    takes its size's cost times the machine's speed in that round, plus 100 on its first call."""
+    sizes, cost, speeds = [512, 0, 1024], {0: 1.0, 512: 1.5, 1024: 2.5}, [5.0, 7.0, 1.0, 3.0]
+    clock, calls = {"t": 0.0}, []
+
+    def fake_row_step(preset, batch, m, *_):
+        def step(*a):
+            clock["t"] += cost[m] * speeds[len(calls) // len(sizes)] + 100 * (m not in calls)
+            calls.append(m)
+            return a[0], a[1], a[2], {}
+        return None, step, [None] * 4
+    monkeypatch.setattr(benchmark, "row_step", fake_row_step)
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock["t"])
+    out = benchmark.alternate_rows("synthetic", 1, sizes, 2, "float32")
+    assert calls == sizes * 4 and out[0] == {"paired_ratio": 1.0, "paired_min": 1.0, "paired_max": 1.0}
+    for m in (512, 1024):  # the speeds cancel within a round; the first calls are not counted
+        assert [out[m][k] for k in ("paired_min", "paired_ratio", "paired_max")] == pytest.approx([cost[m]] * 3)
+
+
+def test_compile_ahead_runs_the_rows_jobs_at_a_time_and_stops_at_the_first_failure(monkeypatch, capsys):
+    """benchmark.py --compile-jobs: every row's compile process, `jobs` at a time, all with the
+    environment that names the cache; a failed one is one line naming its row, exit code 1."""
+    groups = []
+
+    def fake_run_children(cmds, env):
+        groups.append([int(c[c.index("--row") + 1]) for c in cmds])
+        assert all("--compile-only" in c for c in cmds)
+        assert env == {"JAX_COMPILATION_CACHE_DIR": "c", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        return [(0, f'{{"compile_s": {m / 512}}}\n', "") if m != 2048 else (1, "", "Traceback\nValueError: no")
+                for m in groups[-1]]
+    monkeypatch.setattr(benchmark, "run_children", fake_run_children)
+    ahead, code = benchmark.compile_ahead(["x"], [0, 512, 1024], 2, {"JAX_COMPILATION_CACHE_DIR": "c"})
+    assert groups == [[0, 512], [1024]] and code == 0 and ahead == {0: 0.0, 512: 1.0, 1024: 2.0}
+    groups.clear()
+    assert benchmark.compile_ahead(["x"], [0, 2048, 512, 1024], 3, {"JAX_COMPILATION_CACHE_DIR": "c"}) == (None, 1)
+    assert groups == [[0, 2048, 512]]
+    assert capsys.readouterr().err == ("error: compiling the row with memory size 2048 failed (exit code 1): "
+                                       "ValueError: no\n")
+
+
+def test_benchmark_search_times_the_four_forms_of_the_search_and_the_top_k_both_ways_and_they_agree(tmp_path, capsys):
+    out = tmp_path / "search.json"
+    assert benchmark.main(["--search", "--preset", "synthetic", "--batch-size", "1", "--memory-sizes", "0,8192",
+                           "--steps", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())  # memory size 0 has no search: skipped
+    assert row["memory_size"] == 8192 and set(row["search_s"]) == {"whole_rows", "whole_bins", "other_layout", "exact"}
+    assert all(t > 0 for t in row["search_s"].values()) and row["bins"] < 8192
+    # The three binned forms keep the same bins' maxima, so the same slots; binning loses a few.
+    assert row["same_slots"] == 1.0 and 0.9 <= row["recall"] < 1.0
+    # The final top-k of the bins' winners, by lax.top_k and in passes: the same positions.
+    assert set(row["top_k_s"]) == {"lax", "passes"} and all(t > 0 for t in row["top_k_s"].values())
+    assert row["top_k_same"] == 1.0
+    assert "whole rows ms" in capsys.readouterr().out
+    assert benchmark.main(["--search", "--train-only"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
+    for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"], ["--rounds", "-1"],
+                  ["--search", "--rounds", "3"], ["--compile-jobs", "0"], ["--search", "--compile-jobs", "2"]):
+        code = benchmark.main(flags)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (flags, err)
