@@ -769,7 +769,7 @@ def resume_conflict(args, saved, out, given):
         elif name == "tokenizer":
             was = os.path.join(out, "tokenizer.model")
             value, was = os.path.realpath(value), os.path.realpath(was)
-        elif name == "data" and name in saved["args"]:
+        elif name == "data":  # every run config has it (read_run_config checks)
             was = saved["args"][name]
             if data.same_source(value, was):  # ./corpus/ is corpus
                 continue
@@ -778,9 +778,9 @@ def resume_conflict(args, saved, out, given):
         else:
             continue
         if value != was:
-            given = getattr(args, name)
-            flag = "--" + ("" if given is not False else "no-") + name.replace("_", "-")
-            return flag + ("" if isinstance(given, bool) else f" {given}"), was
+            typed = getattr(args, name)
+            flag = "--" + ("" if typed is not False else "no-") + name.replace("_", "-")
+            return flag + ("" if isinstance(typed, bool) else f" {typed}"), was
     return None
 
 
