@@ -179,6 +179,7 @@ class State(NamedTuple):
     pending_valid: jax.Array  # [B, T] bool
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))  # one program makes every buffer, on the device
 def init_state(config, batch_size):
     c, m = config, config.memory_size
     dt = jnp.dtype(c.storage_dtype)
@@ -209,31 +210,32 @@ def init_params(config, rng):
         return std * jax.random.normal(next(keys), shape, jnp.float32)
 
     layers = []
-    prior = jnp.zeros((c.num_buckets, H)).at[1, :H // 2].set(c.init_prev_token_bias)  # bucket 1 = distance 1
+    prior = np.zeros((c.num_buckets, H), np.float32)
+    prior[1, :H // 2] = c.init_prev_token_bias  # bucket 1 = distance 1
     for i in range(c.num_layers):
         layer = {
-            "attn_norm": jnp.ones((E,)),
+            "attn_norm": np.ones(E, np.float32),
             "wq": normal((E, H, D), E ** -0.5),
             "wk": normal((E, H, D), E ** -0.5),
             "wv": normal((E, H, D), E ** -0.5),
             "wo": normal((H, D, E), (H * D * 2 * c.num_layers) ** -0.5),
             # Sec. 3.2: q and k are unit vectors, so q.k has spread 1/sqrt(D); a scale of
             # sqrt(D) gives the initial logits unit spread.
-            "qk_scale": jnp.full((H,), math.sqrt(D), jnp.float32),
-            "rel_bias": prior if i == 0 else jnp.zeros((c.num_buckets, H)),  # T5 bias, one table a layer
-            "ffn_norm": jnp.ones((E,)),
+            "qk_scale": np.full(H, math.sqrt(D), np.float32),
+            "rel_bias": prior if i == 0 else np.zeros((c.num_buckets, H), np.float32),  # T5 bias, one table a layer
+            "ffn_norm": np.ones(E, np.float32),
             "w1": normal((E, F), E ** -0.5),
             "w2": normal((F, E), (F * 2 * c.num_layers) ** -0.5),
         }
         if i in c.active_memory_layers:
-            layer["gate_bias"] = jnp.full((H,), c.init_gate_bias, jnp.float32)  # Eq. (1): g = sigmoid(0) = 0.5 by default
+            layer["gate_bias"] = np.full(H, c.init_gate_bias, np.float32)  # Eq. (1): g = sigmoid(0) = 0.5 by default
         layers.append(layer)
-    return {
+    return jax.tree.map(jnp.asarray, {  # the constants above are numpy: no program to compile
         "embed": normal((c.vocab_size, E), 1.0),
         "layers": layers,
-        "final_norm": jnp.ones((E,)),
+        "final_norm": np.ones(E, np.float32),
         "w_out": normal((E, c.vocab_size), E ** -0.5),
-    }
+    })
 
 
 # ----------------------------------------------------------------------------- pieces

@@ -66,6 +66,7 @@ def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_thresho
         r, c = sorted(np.argsort(x.shape, kind="stable")[-2:])
         return (int(r), int(c)) if min(x.shape[r], x.shape[c]) >= min_dim_size_to_factor else None
 
+    @jax.jit  # zeros only: one compiled program makes them all
     def init(params):
         leaves = jax.tree.leaves(params)
         v = []
