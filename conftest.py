@@ -27,9 +27,23 @@
    older emitters fuse less (the step's HLO has fewer fusions and some loose reduces), so it
    is the same math in other kernels, with the same loss after four steps (7.8920088).
    Both left at the default where an NVIDIA GPU is present (unmeasured there).
+6. Early jobs. pytest runs one test at a time, and the suite is mostly compiling, on one core:
+   it used 1.09 of a 2-core machine's cores. A few tests' work is a whole command in a
+   subprocess (train.py or benchmark.py, 10-30 s each on a slow machine), which needs nothing
+   from the tests before it. Such a test takes that work from a fixture made with `early`:
+   once the tests are collected, the jobs that the selected tests ask for start in the order
+   of those tests, one at a time, in a thread beside the suite; the tests that wait for them
+   run last, each making its assertions on its job's result. Jobs use no compilation cache of
+   the session's: their programs are their own, and two processes writing one cache could
+   read each other's half-written entries.
 """
+import concurrent.futures
 import os
+import pathlib
+import shutil
 import tempfile
+
+import pytest
 
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 _flags = " --xla_gpu_exclude_nondeterministic_ops=true"
@@ -46,3 +60,53 @@ import train  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first
 train.keep_freed_host_memory()  # as every script does: a step's temporaries are reused, not faulted in anew
+
+
+# ----------------------------------------------------------------------------- early jobs (6.)
+_jobs, _started = {}, {}  # name -> job(tmp), name -> Future of its result
+_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+_tmp = tempfile.mkdtemp(prefix="early-jobs-")
+
+
+def early(job):
+    """Decorator: `job(tmp)` (tmp an empty directory, a pathlib.Path) becomes a session fixture of
+    the same name, whose value is job's result, computed beside the suite (6. above). The job's
+    subprocesses should get `job_env()`."""
+    _jobs[job.__name__] = job
+
+    @pytest.fixture(name=job.__name__, scope="session")
+    def fixture():
+        return start(job.__name__).result()
+    return fixture
+
+
+def job_env(**extra):
+    """The test session's environment without its compilation cache (6.), plus extra."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    return dict(env, **extra)
+
+
+def start(name):
+    if name not in _started:
+        tmp = tempfile.mkdtemp(prefix=name + "-", dir=_tmp)
+        _started[name] = _thread.submit(_jobs[name], pathlib.Path(tmp))
+    return _started[name]
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: any(name in _jobs for name in item.fixturenames))  # stable: waiting tests last
+
+
+def pytest_collection_finish(session):
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: each job starts when first asked for
+        return
+    for item in session.items:
+        for name in item.fixturenames:
+            if name in _jobs:
+                start(name)
+
+
+def pytest_sessionfinish():
+    _thread.shutdown(cancel_futures=True)  # a job that is running ends first
+    for path in (_tmp, _cache):
+        shutil.rmtree(path, ignore_errors=True)

@@ -10,17 +10,23 @@ import jax
 import pytest
 
 import benchmark
+from conftest import early, job_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
-    out = tmp_path / "rows.json"
+@early
+def toy_benchmark(tmp):
     # The smallest preset (2 layers) at 2 rows: the test is about the rows and the JSON, and
     # each row compiles four programs in a process of its own.
     proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2",
-                           "--memory-sizes", "0,512", "--steps", "1", "--json", str(out)], cwd=HERE,
-                          capture_output=True, text=True)
+                           "--memory-sizes", "0,512", "--steps", "1", "--json", str(tmp / "rows.json")], cwd=HERE,
+                          capture_output=True, text=True, env=job_env())
+    return proc, tmp / "rows.json"
+
+
+def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(toy_benchmark):
+    proc, out = toy_benchmark
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     assert [r["memory_size"] for r in rows] == [0, 512]
@@ -36,34 +42,39 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(tmp_path):
     assert f"device: {device}" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
 
 
-def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_the_ops(tmp_path):
-    out = tmp_path / "rows.json"
+@early
+def train_only_benchmark(tmp):
     # --compile-jobs with no compilation cache of the test session's: the benchmark makes its
     # own in TMPDIR, and removes it at the end.
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    (tmp_path / "tmp").mkdir()
-    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp / "tmp").mkdir()
     proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "synthetic", "--batch-size", "2", "--memory-sizes",
-                           "512", "--steps", "1", "--train-only", "--json", str(out), "--profile", str(tmp_path / "prof"),
-                           "--rounds", "1", "--compile-jobs", "2"], cwd=HERE, capture_output=True, text=True, env=env)
+                           "512", "--steps", "1", "--train-only", "--json", str(tmp / "rows.json"), "--profile",
+                           str(tmp / "prof"), "--rounds", "1", "--compile-jobs", "2"], cwd=HERE, capture_output=True,
+                          text=True, env=job_env(TMPDIR=str(tmp / "tmp")))
+    return proc, tmp
+
+
+def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_the_ops(train_only_benchmark):
+    proc, tmp = train_only_benchmark
+    out = tmp / "rows.json"
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())
     assert row["step_s"] > 0 and row["peak_bytes"] > 0 and 0.9 <= row["recall"] <= 1.0
     # --compile-jobs: compiled ahead in another process; the timed row loaded the compiled step
     # from the cache (its first call, load and step, is shorter than that compile).
     assert 0 < row["compile_s"] < row["compiled_ahead_s"] and "compiled ahead: 1 rows" in proc.stderr
-    assert not list((tmp_path / "tmp").iterdir())
+    assert not list((tmp / "tmp").iterdir())
     # --rounds: the one row is its own base (no size 0 given), so its paired ratio is 1.
     assert row["paired_ratio"] == row["paired_min"] == row["paired_max"] == 1.0 and "paired" in proc.stdout
     assert row["forward_s"] is None and row["forward_ratio"] is None and row["grad_s"] is None
     assert "train step" in proc.stdout and "forward pass" not in proc.stdout
     # --profile: the operations that took the time, each named after the JAX operation it came from.
-    prof = json.loads((tmp_path / "prof" / "profile_M512.json").read_text())
+    prof = json.loads((tmp / "prof" / "profile_M512.json").read_text())
     # (A GPU's library matmuls carry no JAX operation: they are "library matmul".)
     assert prof["ms_per_step"] > 0 and prof["ops"] and any("dot_general" in op["source"] or op["source"] == "library matmul"
                                                            for op in prof["by_source"])
     assert abs(sum(op["share"] for op in prof["by_source"]) - 1) < 1e-6 and row["profile"]
-    assert (tmp_path / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
+    assert (tmp / "prof" / "step_M512.hlo.txt").exists() and "where the step's time goes" in proc.stdout
     # ... and the largest arrays the step's operations produce, largest first, each as many bytes as its shape holds.
     buffers = prof["largest_buffers"]
     assert buffers == row["profile"]["largest_buffers"]

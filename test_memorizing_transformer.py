@@ -286,13 +286,18 @@ def test_the_fused_attention_refuses_padding_before_a_valid_position(params):
     would, says so instead of guessing (under jit, the callers' masks come from data.py)."""
     cfg = SMALL.replace(attention="fused")
     tokens, T = random_tokens(0, cfg, 2, 1), cfg.segment_length
+
+    def forward(config, mask):  # traced, not run (no op-by-op compiling): the tokens and mask stay concrete values
+        jax.eval_shape(lambda p, s: mt.forward(p, s, tokens, jnp.ones(2, bool), config, mask=mask),
+                       params, mt.init_state(config, 2))
+
     prefix = np.arange(T)[None] < np.array([[T], [3]])
-    mt.forward(params, mt.init_state(cfg, 2), tokens, jnp.ones(2, bool), cfg, mask=jnp.asarray(prefix))
+    forward(cfg, prefix)
     holed = prefix.copy()
     holed[0, 2] = False
     with pytest.raises(ValueError, match="padding only at the end of a segment"):
-        mt.forward(params, mt.init_state(cfg, 2), tokens, jnp.ones(2, bool), cfg, mask=jnp.asarray(holed))
-    mt.forward(params, mt.init_state(SMALL, 2), tokens, jnp.ones(2, bool), SMALL, mask=jnp.asarray(holed))  # any mask
+        forward(cfg, holed)
+    forward(SMALL, holed)  # any mask
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")

@@ -17,12 +17,12 @@ def streamed_logits(params, config, tokens):
     """The reference: the whole text through forward in full segments, state carried, as in
     evaluation; logits [len(tokens), V] (position i predicts token i + 1)."""
     T, state, out = config.segment_length, mt.init_state(config, 1), []
+    forward = jax.jit(mt.forward, static_argnums=4)  # one program, not one per operation
     for start in range(0, len(tokens), T):
         seg = np.zeros((1, T), np.int32)
         part = tokens[start:start + T]
         seg[0, :len(part)] = part
-        logits, state = mt.forward(params, state, seg, np.array([start == 0]), config,
-                                   mask=np.arange(T)[None] < len(part))
+        logits, state = forward(params, state, seg, np.array([start == 0]), config, np.arange(T)[None] < len(part))
         out.append(np.asarray(logits[0, :len(part)]))
     return np.concatenate(out)
 

@@ -16,6 +16,7 @@ import pytest
 
 import memorizing_transformer as mt
 import train
+from conftest import early, job_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A model small enough that a run of a few steps takes seconds.
@@ -333,11 +334,16 @@ def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_p
     assert [f for f in os.listdir(tmp_path / "r") if f.endswith(".tmp")] == []
 
 
-def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(tmp_path, cache):
-    out = tmp_path / "smoke"
+@early
+def smoke_run(tmp):
     proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic:40", "--steps", "10",
-                           "--log-every", "5", "--out", str(out), "--cache-dir", cache], cwd=HERE, capture_output=True,
-                          text=True)
+                           "--log-every", "5", "--out", str(tmp / "smoke"), "--cache-dir", str(tmp / "cache")],
+                          cwd=HERE, capture_output=True, text=True, env=job_env())
+    return proc, tmp / "smoke"
+
+
+def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(smoke_run):
+    proc, out = smoke_run
     assert proc.returncode == 0, proc.stderr
     with open(out / "eval.json") as f:
         ev = json.load(f)
@@ -352,44 +358,59 @@ def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(tmp_path, cach
     assert "step     10 | loss" in proc.stdout
 
 
-def test_a_second_run_loads_its_compiled_programs_from_the_cache_dir_and_gives_the_same_numbers(tmp_path, cache):
+@early
+def three_runs_with_a_cache_dir(tmp):
+    """Three runs with one --cache-dir, the third with JAX_COMPILATION_CACHE_DIR naming another
+    cache: each run's process and the --cache-dir's compiled programs after it."""
+    def train_run(out, **env):
+        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(tmp / out),
+                              "--cache-dir", str(tmp / "cache")], cwd=HERE, capture_output=True, text=True,
+                              env=job_env(**env))
+        return proc, sorted(os.listdir(tmp / "cache" / "jax"))
+
+    return tmp, [train_run("r1"), train_run("r2"), train_run("r3", JAX_COMPILATION_CACHE_DIR=str(tmp / "named"))]
+
+
+def test_a_second_run_loads_its_compiled_programs_from_the_cache_dir_and_gives_the_same_numbers(
+        three_runs_with_a_cache_dir):
     """train.py keeps its compiled programs in --cache-dir's jax/ folder: a second run of the same
     config compiles nothing (no new entry) and gives the same numbers to the last digit; where
     JAX_COMPILATION_CACHE_DIR names a cache, that one is used instead."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # not the session's cache
-    compiled = tmp_path / "cache" / "jax"
-
-    def train_run(out, env):
-        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(out), "--cache-dir",
-                              str(tmp_path / "cache")], cwd=HERE, capture_output=True, text=True, env=env)
+    tmp, runs = three_runs_with_a_cache_dir
+    for proc, _ in runs:
         assert proc.returncode == 0, proc.stderr
-        return json.loads((out / "eval.json").read_text()), losses(out)
-
-    first = train_run(tmp_path / "r1", env)
-    entries = sorted(os.listdir(compiled))
+    first, second = ((json.loads((tmp / out / "eval.json").read_text()), losses(tmp / out)) for out in ("r1", "r2"))
+    entries = runs[0][1]
     assert any(e.startswith("jit_step-") for e in entries), entries
-    assert train_run(tmp_path / "r2", env) == first and sorted(os.listdir(compiled)) == entries
-    train_run(tmp_path / "r3", dict(env, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "named")))
-    assert any(e.startswith("jit_step-") for e in os.listdir(tmp_path / "named"))
-    assert sorted(os.listdir(compiled)) == entries
+    assert second == first and runs[1][1] == entries
+    assert any(e.startswith("jit_step-") for e in os.listdir(tmp / "named"))
+    assert runs[2][1] == entries
 
 
-def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cache):
-    def loss_on(devices, out):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
-        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(out),
-                              "--cache-dir", cache], cwd=HERE, capture_output=True, text=True, env=env)
+@early
+def runs_on_cpu_devices(tmp):
+    """FAST runs on 4 CPU devices, and where this session's backend is not a CPU on 1: each run's
+    process and output directory, by number of devices."""
+    def run_on(devices):
+        env = job_env(JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
+                      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
+        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(tmp / str(devices)),
+                              "--cache-dir", str(tmp / "cache")], cwd=HERE, capture_output=True, text=True, env=env)
+        return proc, tmp / str(devices)
+
+    return {devices: run_on(devices) for devices in ([4] if jax.default_backend() == "cpu" else [1, 4])}
+
+
+def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cache, runs_on_cpu_devices):
+    for devices, (proc, _) in runs_on_cpu_devices.items():
         assert proc.returncode == 0, proc.stderr
         assert f"x{devices}" in proc.stdout
-        return losses(out)
-
     if jax.default_backend() == "cpu":  # one CPU device: this process, whose step is compiled already
         assert run(tmp_path / "one", cache, "--steps", "2") == 0
         one = losses(tmp_path / "one")
     else:
-        one = loss_on(1, tmp_path / "one")
-    four = loss_on(4, tmp_path / "four")
+        one = losses(runs_on_cpu_devices[1][1])
+    four = losses(runs_on_cpu_devices[4][1])
     np.testing.assert_allclose([four[1], four[2]], [one[1], one[2]], rtol=1e-5)
 
 
