@@ -25,7 +25,8 @@ import data
 import evaluate
 import sample
 import train
-from test_train import FAST, HERE
+from conftest import early, job_env
+from test_train import FAST, HERE, ending
 
 SCRIPTS = {"train": train.main, "evaluate": evaluate.main, "benchmark": benchmark.main, "sample": sample.main}
 
@@ -540,9 +541,9 @@ def test_a_checkpoint_is_created_like_any_other_file_and_an_unreadable_one_is_na
 
 
 # ----------------------------------------------------------------------------- interruptions
-def launch(script, argv):
+def launch(script, argv, env=None):
     return subprocess.Popen([sys.executable, script] + argv, cwd=HERE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def wait_for_line(proc, prefix):
@@ -552,9 +553,7 @@ def wait_for_line(proc, prefix):
     raise AssertionError(f"no line {prefix!r}: {proc.stderr.read()}")
 
 
-def assert_interrupted(proc):
-    code = proc.wait(timeout=120)
-    err = proc.stderr.read()
+def assert_interrupted(code, err):
     assert code == 130 and err.count("\n") == 1 and "Traceback" not in err and "interrupted" in err, (code, err)
     return err
 
@@ -572,23 +571,33 @@ def wait_until_jax_loads(proc, timeout=120):
         time.sleep(0.01)
 
 
-def test_ctrl_c_while_starting_and_during_the_final_evaluation(tmp_path, cache):
-    """Issue 14.9: before anything is written (JAX importing, data loading), and during the final
-    evaluation (which once crashed with a segmentation fault): one line, exit 130, the
-    checkpoint kept, and --resume then evaluates it."""
+@early
+def interrupted_train_runs(tmp):
+    """Ctrl-C (SIGINT) to train.py 0.2 s and 2 s after it starts to load JAX, and 0.5 s after its
+    last step: each process's ending, and the directories of the last run and of its cache."""
+    endings, cache = [], str(tmp / "cache")
     for delay in (0.2, 2.0):
-        proc = launch("train.py", FAST + ["--out", str(tmp_path / f"early{delay}"), "--cache-dir", cache])
+        proc = launch("train.py", FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache], job_env())
         wait_until_jax_loads(proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        assert_interrupted(proc)
-    run = tmp_path / "run"
-    proc = launch("train.py", FAST + ["--out", str(run), "--cache-dir", cache, "--steps", "2", "--valid-fraction",
-                                      "0.5", "--eval-docs", "20", "--eval-tokens", "2000"])
+        endings.append(ending(proc))
+    proc = launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", cache, "--steps", "2", "--valid-fraction",
+                                      "0.5", "--eval-docs", "20", "--eval-tokens", "2000"], job_env())
     wait_for_line(proc, "step      2")
     time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
     proc.send_signal(signal.SIGINT)
-    assert "final evaluation" in assert_interrupted(proc)
+    return endings + [ending(proc)], tmp / "run", cache
+
+
+def test_ctrl_c_while_starting_and_during_the_final_evaluation(interrupted_train_runs):
+    """Issue 14.9: before anything is written (JAX importing, data loading), and during the final
+    evaluation (which once crashed with a segmentation fault): one line, exit 130, the
+    checkpoint kept, and --resume then evaluates it."""
+    (*starting, evaluating), run, cache = interrupted_train_runs
+    for code, err in starting:
+        assert_interrupted(code, err)
+    assert "final evaluation" in assert_interrupted(*evaluating)
     assert not (run / "eval.json").exists()
     assert train.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"] == 2
     assert train.main(["--out", str(run), "--resume", "--cache-dir", cache]) == 0
@@ -601,7 +610,7 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
                                   "--csv", str(tmp_path / "c.csv")])
     wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
     proc.send_signal(signal.SIGTERM)
-    assert_interrupted(proc)
+    assert_interrupted(*ending(proc))
     assert not (tmp_path / "c.csv").exists()
     proc = launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
     children = f"/proc/{proc.pid}/task/{proc.pid}/children"
@@ -613,7 +622,7 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
     assert kids, "benchmark.py started no row process"
     time.sleep(2)
     proc.send_signal(signal.SIGTERM)
-    assert_interrupted(proc)
+    assert_interrupted(*ending(proc))
     time.sleep(0.5)
     assert not any(os.path.exists(f"/proc/{k}") and "Z" not in open(f"/proc/{k}/stat").read().split()[2]
                    for k in kids), "a row process outlived benchmark.py"

@@ -542,8 +542,14 @@ def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, mo
 
 # ----------------------------------------------------------------------------- interruptions
 def start(out, cache, *extra):
+    """train.py with FAST in a subprocess, from an early job (so with job_env())."""
     return subprocess.Popen([sys.executable, "train.py"] + FAST + ["--out", str(out), "--cache-dir", cache] + list(extra),
-                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
+
+
+def ending(proc):
+    """A process's exit code and stderr, once it ends."""
+    return proc.wait(timeout=120), proc.stderr.read()
 
 
 def wait_for_step(proc, step):
@@ -553,34 +559,56 @@ def wait_for_step(proc, step):
     raise AssertionError(f"train.py ended before step {step}: {proc.stderr.read()}")
 
 
-def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path, cache):
-    proc = start(tmp_path / "r", cache, "--steps", "100000", "--save-every", "100000")
+@early
+def run_stopped_by_ctrl_c(tmp):
+    """A run that saves only when stopped, stopped by SIGINT after its third step: its exit code,
+    stderr and directory, and its cache."""
+    proc = start(tmp / "r", str(tmp / "cache"), "--steps", "100000", "--save-every", "100000")
     wait_for_step(proc, 3)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
-    assert "interrupted at step" in proc.stderr.read()
-    meta, _ = train.load_checkpoint(str(tmp_path / "r" / "checkpoint.npz"))
+    return proc.wait(timeout=60), proc.stderr.read(), tmp / "r", str(tmp / "cache")
+
+
+def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path, cache, run_stopped_by_ctrl_c):
+    code, err, out, its_cache = run_stopped_by_ctrl_c
+    assert code == 130 and "interrupted at step" in err
+    meta, _ = train.load_checkpoint(str(out / "checkpoint.npz"))
     k = meta["step"]
-    assert run(tmp_path / "r", cache, "--steps", str(k + 3), "--resume") == 0
+    assert run(out, its_cache, "--steps", str(k + 3), "--resume") == 0
     assert run(tmp_path / "full", cache, "--steps", str(k + 3), "--save-every", "100000") == 0
-    got, want = losses(tmp_path / "r"), losses(tmp_path / "full")
+    got, want = losses(out), losses(tmp_path / "full")
     np.testing.assert_allclose([got[s] for s in range(1, k + 4)], [want[s] for s in range(1, k + 4)], rtol=1e-6)
 
 
-def test_kill_9_at_random_points_never_loses_the_last_checkpoint(tmp_path, cache):
+@early
+def run_killed_at_random_points(tmp):
+    """A run's first checkpoint, then three times: resumed, saving at every step, and killed
+    (SIGKILL) 0-0.5 s after a step. The first run's ending, what loading the checkpoint gave
+    after each kill (its metadata, or the exception), the run's directory and its cache."""
     rng = np.random.default_rng(0)
-    out = tmp_path / "r"
-    assert run(out, cache, "--steps", "1", "--save-every", "1") == 0  # a first checkpoint
+    out, cache = tmp / "r", str(tmp / "cache")
+    first = ending(start(out, cache, "--steps", "1", "--save-every", "1"))
+    loaded = []
     for _ in range(3):
         proc = start(out, cache, "--steps", "100000", "--resume", "--save-every", "1")
         wait_for_step(proc, 1)
         time.sleep(rng.uniform(0.0, 0.5))  # saves happen every step: often mid-write
         proc.kill()
         proc.wait()
-        meta, _ = train.load_checkpoint(str(out / "checkpoint.npz"))  # loadable, whatever the timing
-        assert meta["step"] >= 1
+        try:
+            loaded.append(train.load_checkpoint(str(out / "checkpoint.npz"))[0])
+        except Exception as e:  # noqa: BLE001  (the test names it)
+            loaded.append(e)
+    return first, loaded, out, cache
+
+
+def test_kill_9_at_random_points_never_loses_the_last_checkpoint(tmp_path, cache, run_killed_at_random_points):
+    (code, err), loaded, out, its_cache = run_killed_at_random_points
+    assert code == 0, err  # a first checkpoint
+    for meta in loaded:  # loadable, whatever the timing
+        assert isinstance(meta, dict) and meta["step"] >= 1, meta
     k = train.load_checkpoint(str(out / "checkpoint.npz"))[0]["step"]
-    assert run(out, cache, "--steps", str(k + 2), "--resume") == 0
+    assert run(out, its_cache, "--steps", str(k + 2), "--resume") == 0
     assert run(tmp_path / "full", cache, "--steps", str(k + 2), "--save-every", "100000") == 0
     got, want = losses(out), losses(tmp_path / "full")
     np.testing.assert_allclose([got[s] for s in range(1, k + 3)], [want[s] for s in range(1, k + 3)], rtol=1e-6)
