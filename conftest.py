@@ -98,7 +98,9 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: each job starts when first asked for
+    # Not for --collect-only, nor on a pytest-xdist worker, which collects every test and runs
+    # some: there a job starts when a test first asks for it.
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
         return
     for item in session.items:
         for name in item.fixturenames:

@@ -5,6 +5,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -14,7 +16,8 @@ import data
 import evaluate
 import memorizing_transformer as mt
 import train
-from test_train import FAST  # the same small runs, so compiled steps are shared
+from conftest import early, job_env
+from test_train import FAST, HERE  # the same small runs, so compiled steps are shared
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +164,28 @@ def test_slot_positions_follow_the_ring_buffer_layout():
     assert [evaluate.slot_position(s, 5, cfg) for s in (0, 3, 4, 7, 8, 11)] == [12, 15, 16, 19, 8, 11]
 
 
-def test_table_trains_the_paper_rows_and_writes_table_json(tmp_path, capsys):
-    root = tmp_path / "table"
-    # Two of the five rows keep the suite fast; the other three differ only in their flags.
-    flags = ["table", "--data", "synthetic:40", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
-             "--num-neighbors", "8", "--out-root", str(root), "--rows", "XL cache,memory 4T + XL"]
-    assert evaluate.main(flags) == 0
+def table(tmp, *flags):
+    """evaluate.py table in a subprocess, for an early job: (its process, its --out-root)."""
+    argv = ["table", "--data", "synthetic:40", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
+            "--num-neighbors", "8", "--out-root", str(tmp / "table"), "--rows", "XL cache,memory 4T + XL"] + list(flags)
+    return subprocess.run([sys.executable, "evaluate.py"] + argv, cwd=HERE, capture_output=True, text=True,
+                          env=job_env()), tmp / "table"
+
+
+@early
+def two_table_rows(tmp):  # two of the five rows keep the suite fast; the other three differ only in their flags
+    return table(tmp)
+
+
+def test_table_trains_the_paper_rows_and_writes_table_json(two_table_rows, capsys):
+    proc, root = two_table_rows
+    assert proc.returncode == 0, proc.stderr
     rows = json.loads((root / "table.json").read_text())
     assert [r["name"] for r in rows] == ["XL cache", "memory 4T + XL"]
     assert [(r["memory_size"], r["xl_cache"]) for r in rows] == [(0, True), (128, True)]
     assert all(r["steps"] == 2 and r["perplexity"] > 1 for r in rows)
     assert [r["perplexity_memory_off"] is None for r in rows] == [True, False]
-    assert "memory off" in capsys.readouterr().out
+    assert "memory off" in proc.stdout
     # The ceiling, from an explicit scan of the validation tokens (segment 32 + XL cache 32).
     config, _, sp, run_args = evaluate.load_run(rows[1]["run"])
     docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
@@ -184,17 +197,19 @@ def test_table_trains_the_paper_rows_and_writes_table_json(tmp_path, capsys):
             hits += bool(back) and 64 < min(back) <= 64 + 128
             total += 1
     assert hits > 0 and rows[0]["ceiling"] == 0 and abs(rows[1]["ceiling"] - hits / total) < 1e-12
-    assert evaluate.main(flags) == 0  # reuses the runs
+    assert evaluate.main(proc.args[2:]) == 0  # the same command in this process reuses the runs
     assert "training" not in capsys.readouterr().out
 
 
-def test_table_with_seeds_reports_the_mean_and_spread_of_every_rows_seeds(tmp_path, capsys):
-    root = tmp_path / "table"
-    flags = ["table", "--data", "synthetic:40", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
-             "--num-neighbors", "8", "--out-root", str(root), "--rows", "XL cache,memory 4T + XL", "--seeds", "2",
-             "--init-gate-bias", "-2"]
-    assert evaluate.main(flags) == 0
-    assert "±" in capsys.readouterr().out
+@early
+def table_of_two_seeds(tmp):
+    return table(tmp, "--seeds", "2", "--init-gate-bias", "-2")
+
+
+def test_table_with_seeds_reports_the_mean_and_spread_of_every_rows_seeds(table_of_two_seeds):
+    proc, root = table_of_two_seeds
+    assert proc.returncode == 0, proc.stderr
+    assert "±" in proc.stdout
     rows = json.loads((root / "table.json").read_text())
     for row, base, memory in zip(rows, ["XL_cache", "memory_4T_plus_XL"], [False, True]):
         assert [r["run"] for r in row["seeds"]] == [str(root / base), str(root / f"{base}_seed1")]
