@@ -29,8 +29,8 @@
    Both left at the default where an NVIDIA GPU is present (unmeasured there).
 6. Early jobs. pytest runs one test at a time, and the suite is mostly compiling, on one core:
    it used 1.09 of a 2-core machine's cores. A few tests' work is a whole command in a
-   subprocess (train.py or benchmark.py, 10-30 s each on a slow machine), which needs nothing
-   from the tests before it. Such a test takes that work from a fixture made with `early`:
+   subprocess (train.py, evaluate.py or benchmark.py, 10-30 s each on a slow machine), which
+   needs nothing from the tests before it. Such a test takes that work from a fixture made with `early`:
    once the tests are collected, the jobs that the selected tests ask for start in the order
    of those tests, one at a time, in a thread beside the suite; the tests that wait for them
    run last, each making its assertions on its job's result. Jobs use no compilation cache of
