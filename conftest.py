@@ -35,7 +35,8 @@
    of those tests, one at a time, in a thread beside the suite; the tests that wait for them
    run last, each making its assertions on its job's result. Jobs use no compilation cache of
    the session's: their programs are their own, and two processes writing one cache could
-   read each other's half-written entries.
+   read each other's half-written entries. On a GPU, no process of the session preallocates
+   75% of the GPU's memory (JAX's default), since several run at once.
 """
 import concurrent.futures
 import os
@@ -46,6 +47,7 @@ import tempfile
 import pytest
 
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # (6.)
 _flags = " --xla_gpu_exclude_nondeterministic_ops=true"
 if not os.path.exists("/dev/nvidiactl"):
     _flags += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
