@@ -197,7 +197,8 @@ def test_table_trains_the_paper_rows_and_writes_table_json(two_table_rows, capsy
             hits += bool(back) and 64 < min(back) <= 64 + 128
             total += 1
     assert hits > 0 and rows[0]["ceiling"] == 0 and abs(rows[1]["ceiling"] - hits / total) < 1e-12
-    assert evaluate.main(proc.args[2:]) == 0  # the same command in this process reuses the runs
+    # The job's command (its argv after `python evaluate.py`) again, in this process: it reuses the runs.
+    assert evaluate.main(proc.args[2:]) == 0
     assert "training" not in capsys.readouterr().out
 
 
