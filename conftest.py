@@ -30,10 +30,10 @@
 6. Early jobs. pytest runs one test at a time, and the suite is mostly compiling, on one core:
    it used 1.09 of a 2-core machine's cores. A few tests' work is a whole command in a
    subprocess (train.py, evaluate.py or benchmark.py, 10-30 s each on a slow machine), which
-   needs nothing from the tests before it. Such a test takes that work from a fixture made with `early`:
-   once the tests are collected, the jobs that the selected tests ask for start in the order
-   of those tests, one at a time, in a thread beside the suite; the tests that wait for them
-   run last, each making its assertions on its job's result. Jobs use no compilation cache of
+   needs nothing from the tests before it. Such a test takes that work from a fixture made
+   with `early`: once the tests are collected, the jobs that the selected tests ask for start
+   in the order of those tests, one at a time, in a thread beside the suite; the tests that
+   wait for them run last, each making its assertions on its job's result. Jobs use no compilation cache of
    the session's: their programs are their own, and two processes writing one cache could
    read each other's half-written entries. On a GPU, no process of the session preallocates
    75% of the GPU's memory (JAX's default), since several run at once.
