@@ -2,6 +2,7 @@
 
   python peer_benchmark.py                                # tiny preset, M = 0, 8192, 65536
   python peer_benchmark.py --peer-python /tmp/peer/bin/python --json side_by_side.json
+  python peer_benchmark.py --peer-python /tmp/peer/bin/python --repeats 3   # ours, theirs, ours, ...
 
 Not part of the project's dependencies, nor of its tests. The peer runs in its own Python
 (--peer-python, default this one), which needs `torch` (CPU), `faiss-cpu`, `einops`,
@@ -19,6 +20,11 @@ steps will reach (it wipes a row's whole index when an add would overflow it), a
 OMP_WAIT_POLICY=PASSIVE keeps its idle threads from spinning. Recall: the share of the exact
 top-k (inner product, float32) that its HNSW index returns, for 64 random unit queries among M
 random unit keys, as benchmark.py measures ours.
+
+--repeats N runs the whole side by side N times in turn (ours, then theirs, then ours
+again...). Each repeat gives every row its ours/theirs ratio from two measurements minutes
+apart; the table gives the median over the repeats of each step time and of each ratio, and
+the ratios' range. A shared machine's slow minute moves one repeat, not the median.
 """
 import os
 import signal
@@ -104,6 +110,63 @@ def peer_row(memory_size, steps, batch=8, segment=128, vocab=2048):
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
+def our_rows(sizes, steps):
+    """benchmark.py's rows, one process per memory size: ({size: row}, 0), or (None, exit code)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ours_json = os.path.join(tmp, "ours.json")
+        code, out, err = run_child([sys.executable, os.path.join(HERE, "benchmark.py"), "--memory-sizes",
+                                    ",".join(map(str, sizes)), "--steps", str(steps), "--json", ours_json])
+        if code:
+            print(f"error: benchmark.py failed (exit code {code}): {(err.strip().splitlines() or ['?'])[-1]}",
+                  file=sys.stderr)
+            return None, code if code in (2, 130) else 1  # bad input (refused before anything ran), interrupted
+        print(out, end="")
+        with open(ours_json) as f:
+            return {r["memory_size"]: r for r in json.load(f)}, 0
+
+
+def their_rows(sizes, steps, peer_python, env):
+    """The peer's rows, one process per memory size: ({size: row}, 0), or (None, 1)."""
+    theirs = {}
+    for m in sizes:
+        code, out, err = run_child([peer_python, os.path.abspath(__file__), "--peer-row", str(m),
+                                    "--steps", str(steps)], env=env)
+        if code:
+            print(f"error: the peer's row {m} failed: {(err.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+            return None, 130 if code == 130 else 1
+        theirs[m] = json.loads(out.strip().splitlines()[-1])
+        print(f"peer row {m}: step {theirs[m]['step_s']:.4f} s (memory filled in {theirs[m]['fill_s']:.0f} s)",
+              file=sys.stderr)
+    return theirs, 0
+
+
+def side_by_side(ours_runs, theirs_runs, sizes):
+    """The table's rows from the repeats: ours_runs and theirs_runs hold one {size: row} per
+    repeat (theirs empty where the peer was skipped). Each ratio is taken within a repeat (a
+    row over the same repeat's first row, ours over theirs), then the median over the
+    repeats is given, with the range of ours over theirs. Recall does not depend on the
+    repeat: the first one's is given."""
+    med = lambda xs: statistics.median(xs) if xs else None
+    rows = []
+    for m in sizes:
+        ours = [run[m] for run in ours_runs]
+        theirs = [run[m] for run in theirs_runs if run]
+        over = [o["step_s"] / t["step_s"] for o, t in zip(ours, theirs)]
+        grads = [o["grad_over_forward"] for o in ours if o.get("grad_over_forward") is not None]
+        rows.append({
+            "memory_size": m,
+            "ours_step_s": med([o["step_s"] for o in ours]),
+            "ours_ratio": med([run[m]["step_s"] / run[sizes[0]]["step_s"] for run in ours_runs]),
+            "ours_recall": ours[0]["recall"],
+            "theirs_step_s": med([t["step_s"] for t in theirs]),
+            "theirs_ratio": med([run[m]["step_s"] / run[sizes[0]]["step_s"] for run in theirs_runs if run]),
+            "theirs_recall": theirs[0]["recall"] if theirs else None,
+            "ours_over_theirs": med(over), "ours_over_theirs_min": min(over, default=None),
+            "ours_over_theirs_max": max(over, default=None), "ours_over_theirs_by_repeat": over,
+            "grad_over_forward": med(grads), "grad_over_forward_by_repeat": grads})
+    return rows
+
+
 class Parser(argparse.ArgumentParser):
     """Bad flags in one line and exit code 2 (train.Parser's behaviour, without importing JAX,
     which the peer's Python may not have)."""
@@ -117,11 +180,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
     p.add_argument("--peer-python", default=sys.executable,
                    help="the Python that has torch, faiss and memorizing_transformers_pytorch")
-    p.add_argument("--json", help="write both sides' rows to this file")
+    p.add_argument("--repeats", type=int, default=1, help="run the whole side by side this many times in turn "
+                   "and give each row's median over them (of each step time and of each ratio, which is taken "
+                   "within a repeat), with the range of ours over theirs")
+    p.add_argument("--json", help="write the table's rows and both sides' rows of every repeat (each with its "
+                   "'repeat') to this file")
     p.add_argument("--peer-row", type=int, help=argparse.SUPPRESS)  # internal: one peer row in this process
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1.")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1.")
     try:
         sizes = [int(s) for s in args.memory_sizes.split(",") if s.strip()]
     except ValueError:
@@ -134,58 +203,53 @@ def main(argv=None):
     if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
         p.error(f"--json {args.json} is a directory or its folder does not exist.")
 
-    with tempfile.TemporaryDirectory() as tmp:  # ours: the project's own benchmark
-        ours_json = os.path.join(tmp, "ours.json")
-        code, out, err = run_child([sys.executable, os.path.join(HERE, "benchmark.py"), "--memory-sizes",
-                              ",".join(map(str, sizes)), "--steps", str(args.steps), "--json", ours_json])
-        if code:
-            print(f"error: benchmark.py failed (exit code {code}): {(err.strip().splitlines() or ['?'])[-1]}",
-                  file=sys.stderr)
-            return code if code in (2, 130) else 1  # bad input (refused before anything ran), interrupted
-        print(out, end="")
-        with open(ours_json) as f:
-            ours = {r["memory_size"]: r for r in json.load(f)}
-
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    probe = "import " + ", ".join(PEER_PACKAGES)
-    code, _, err = run_child([args.peer_python, "-c", probe], env=env)
-    theirs = {}
-    if code:
+    code, _, err = run_child([args.peer_python, "-c", "import " + ", ".join(PEER_PACKAGES)], env=env)
+    peer = not code
+    if not peer:
         print(f"peer: skipped, {args.peer_python} cannot import it ({(err.strip().splitlines() or ['?'])[-1]}); "
               f"see this script's docstring for what to install.")
-    else:
-        for m in sizes:
-            code, out, err = run_child([args.peer_python, os.path.abspath(__file__), "--peer-row", str(m),
-                                  "--steps", str(args.steps)], env=env)
-            if code:
-                print(f"error: the peer's row {m} failed: {(err.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
-                return 1
-            theirs[m] = json.loads(out.strip().splitlines()[-1])
-            print(f"peer row {m}: step {theirs[m]['step_s']:.4f} s (memory filled in {theirs[m]['fill_s']:.0f} s)",
-                  file=sys.stderr)
+    ours_runs, theirs_runs = [], []
+    for i in range(args.repeats):
+        if args.repeats > 1:
+            print(f"repeat {i + 1} of {args.repeats}", file=sys.stderr)
+        ours, code = our_rows(sizes, args.steps)
+        if ours is None:
+            return code
+        theirs, code = their_rows(sizes, args.steps, args.peer_python, env) if peer else ({}, 0)
+        if theirs is None:
+            return code
+        ours_runs.append(ours)
+        theirs_runs.append(theirs)
 
+    rows = side_by_side(ours_runs, theirs_runs, sizes)
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
-    base_ours, base_theirs = ours[sizes[0]]["step_s"], theirs[sizes[0]]["step_s"] if theirs else None
-    print(f"\nside by side, {ours[sizes[0]]['device']}, median of {args.steps} steps"
-          + (f"; peer: torch {theirs[sizes[0]]['torch']}, {theirs[sizes[0]]['threads']} threads" if theirs else ""))
+    first = ours_runs[0][sizes[0]]
+    spread = args.repeats > 1
+    print(f"\nside by side, {first['device']}, median of {args.steps} steps"
+          + (f", median of {args.repeats} repeats" if spread else "")
+          + (f"; peer: torch {theirs_runs[0][sizes[0]]['torch']}, {theirs_runs[0][sizes[0]]['threads']} threads"
+             if peer else ""))
     print(f"{'memory':>8} {'ours s':>8} {'ratio':>6} {'recall':>6} {'theirs s':>9} {'ratio':>6} {'recall':>6} "
-          f"{'ours/theirs':>11}")
-    rows = []
-    for m in sizes:
-        o, t = ours[m], theirs.get(m)
-        row = {"memory_size": m, "ours_step_s": o["step_s"], "ours_ratio": o["step_s"] / base_ours,
-               "ours_recall": o["recall"], "theirs_step_s": t and t["step_s"],
-               "theirs_ratio": t and t["step_s"] / base_theirs, "theirs_recall": t and t["recall"],
-               "ours_over_theirs": t and o["step_s"] / t["step_s"]}
-        rows.append(row)
-        print(f"{m:>8} {o['step_s']:>8.4f} {row['ours_ratio']:>6.3f} {fmt(o['recall'], '.3f'):>6} "
-              f"{fmt(row['theirs_step_s'], '.4f'):>9} {fmt(row['theirs_ratio'], '.3f'):>6} "
-              f"{fmt(row['theirs_recall'], '.3f'):>6} {fmt(row['ours_over_theirs'], '.3f'):>11}")
+          f"{'ours/theirs':>11}" + (f" {'min':>6} {'max':>6}" if spread else ""))
+    for r in rows:
+        print(f"{r['memory_size']:>8} {r['ours_step_s']:>8.4f} {r['ours_ratio']:>6.3f} "
+              f"{fmt(r['ours_recall'], '.3f'):>6} {fmt(r['theirs_step_s'], '.4f'):>9} {fmt(r['theirs_ratio'], '.3f'):>6} "
+              f"{fmt(r['theirs_recall'], '.3f'):>6} {fmt(r['ours_over_theirs'], '.3f'):>11}"
+              + (f" {fmt(r['ours_over_theirs_min'], '.3f'):>6} {fmt(r['ours_over_theirs_max'], '.3f'):>6}"
+                 if spread else ""))
+    for r in rows:  # benchmark.py times the gradient in the no-memory row only
+        if r["grad_over_forward"] is not None:
+            print(f"grad/fwd (ours, memory {r['memory_size']}: the gradient over the forward pass and loss it "
+                  f"differentiates): {r['grad_over_forward']:.3f}"
+                  + (f" (each repeat: {', '.join(f'{x:.3f}' for x in r['grad_over_forward_by_repeat'])})"
+                     if spread else ""))
     if args.json:
         sys.path.insert(0, HERE)
         import train
-        train.atomic_write(args.json, json.dumps({"rows": rows, "ours": list(ours.values()),
-                                                  "theirs": list(theirs.values())}, indent=2))
+        tag = lambda runs: [dict(row, repeat=i) for i, run in enumerate(runs) for row in run.values()]
+        train.atomic_write(args.json, json.dumps({"repeats": args.repeats, "rows": rows, "ours": tag(ours_runs),
+                                                  "theirs": tag(theirs_runs)}, indent=2))
     return 0
 
 

@@ -1,5 +1,5 @@
 """benchmark.py: its rows and JSON, --train-only, --profile's tables, the alternated rounds,
---compile-jobs, --search and its answers to bad input."""
+--compile-jobs, --search and its answers to bad input; peer_benchmark.py's table over repeats."""
 import json
 import math
 import os
@@ -187,3 +187,46 @@ def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
         code = benchmark.main(flags)
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (flags, err)
+
+
+def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median_over_repeats(capsys):
+    import numpy as np
+    import peer_benchmark
+    sizes = [0, 8192]
+    # Step times per repeat: the second repeat is a slow minute for ours, the third for theirs.
+    ours_s = [{0: 0.20, 8192: 0.30}, {0: 0.40, 8192: 0.70}, {0: 0.21, 8192: 0.33}]
+    theirs_s = [{0: 0.25, 8192: 0.40}, {0: 0.26, 8192: 0.41}, {0: 0.50, 8192: 0.90}]
+    grads = [3.1, 2.9, 3.3]
+    ours_runs = [{m: {"memory_size": m, "step_s": run[m], "recall": None if m == 0 else 0.97,
+                      "grad_over_forward": grads[i] if m == 0 else None} for m in sizes}
+                 for i, run in enumerate(ours_s)]
+    theirs_runs = [{m: {"memory_size": m, "step_s": run[m], "recall": None if m == 0 else 0.6} for m in sizes}
+                   for run in theirs_s]
+    rows = peer_benchmark.side_by_side(ours_runs, theirs_runs, sizes)
+    for row, m in zip(rows, sizes):
+        over = [ours_s[i][m] / theirs_s[i][m] for i in range(3)]
+        assert row["memory_size"] == m
+        assert row["ours_over_theirs_by_repeat"] == over
+        assert row["ours_over_theirs"] == np.median(over)
+        assert (row["ours_over_theirs_min"], row["ours_over_theirs_max"]) == (min(over), max(over))
+        assert row["ours_step_s"] == np.median([run[m] for run in ours_s])
+        assert row["theirs_step_s"] == np.median([run[m] for run in theirs_s])
+        assert row["ours_ratio"] == np.median([run[m] / run[0] for run in ours_s])
+        assert row["theirs_ratio"] == np.median([run[m] / run[0] for run in theirs_s])
+        assert row["ours_recall"] == (None if m == 0 else 0.97) and row["theirs_recall"] == (None if m == 0 else 0.6)
+    # Within a repeat, not across: the ratio of the medians would be another number here.
+    median_of_ratios = rows[1]["ours_over_theirs"]
+    ratio_of_medians = np.median([r[8192] for r in ours_s]) / np.median([r[8192] for r in theirs_s])
+    assert abs(median_of_ratios - ratio_of_medians) > 0.01
+    assert rows[0]["grad_over_forward"] == np.median(grads) and rows[0]["grad_over_forward_by_repeat"] == grads
+    assert rows[1]["grad_over_forward"] is None and rows[1]["grad_over_forward_by_repeat"] == []
+
+    # The peer skipped (not installed): its columns are empty, ours are as before.
+    skipped = peer_benchmark.side_by_side(ours_runs, [{}, {}, {}], sizes)
+    for row, full in zip(skipped, rows):
+        assert row["theirs_step_s"] is row["theirs_ratio"] is row["theirs_recall"] is row["ours_over_theirs"] is None
+        assert row["ours_step_s"] == full["ours_step_s"] and row["ours_ratio"] == full["ours_ratio"]
+
+    with pytest.raises(SystemExit) as stop:
+        peer_benchmark.main(["--repeats", "0"])
+    assert stop.value.code == 2 and capsys.readouterr().err == "error: --repeats must be >= 1.\n"
