@@ -30,7 +30,8 @@ must add and nothing else: one forward-only [T, M] score product per head in eac
 layer, and attention over the K retrieved pairs (forward and backward).
 
 --profile DIR traces a few more steps of each row with jax.profiler and prints the XLA
-operations that took the most device time (thread time on a CPU), each with the JAX
+operations that took the most device time (thread time on a CPU, where XLA's plain `dot`
+operations are undercounted: README.md, "Benchmark"), each with the JAX
 operation it came from, and the largest arrays the compiled step's operations produce (a
 product that XLA could not fuse shows there); DIR keeps the compiled HLO, the raw trace and
 the tables as JSON.
@@ -165,7 +166,8 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
 
     Sums the duration of every traced event of the step's module: kernels on a GPU (inside a
     CUDA graph, XLA's "command buffer", a kernel is named after its fusion), thunks on a CPU
-    (where parallel threads add up to more than the wall time). Each operation is mapped to
+    (where parallel threads add up to more than the wall time; a plain `dot` thunk's work runs
+    mostly on threads the trace does not tie to it, so it is undercounted). Each operation is mapped to
     the JAX operation it came from (HLO metadata); library matmuls carry none. Writes the
     trace, the HLO and the tables to out_dir; returns the table by JAX operation, longest first.
     """
