@@ -517,16 +517,26 @@ def check_planned_run(out, flags):
                          f"choose another --out-root, or remove that run.")
 
 
-def finished_or_trained(name, out, flags, steps):
+def cache_flags(args):
+    """--cache-dir for every run that table and finetune train or resume (train.py's default
+    where it is not given)."""
+    if args.cache_dir is None:
+        return []
+    train.check_writable_dir(args.cache_dir, "--cache-dir")
+    return ["--cache-dir", args.cache_dir]
+
+
+def finished_or_trained(name, out, flags, steps, cache):
     """The eval.json of the run in `out` once it has finished at `steps` (a global step count):
-    reused if it has, resumed if it stopped before, trained with `flags` if it is new. An
-    exit code instead if training fails."""
+    reused if it has, resumed if it stopped before, trained with `flags` if it is new; cache
+    (cache_flags) in both cases. An exit code instead if training fails."""
     ev = train.read_json(os.path.join(out, "eval.json"))
     if ev and ev.get("step") == steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss")):
         return ev
     resume = os.path.isfile(os.path.join(out, "config.json"))
     print(f"{'resuming' if resume else 'training'} {name} -> {out}", flush=True)
-    code = train.main(["--out", out, "--resume", "--steps", str(steps)] if resume else flags + ["--out", out])
+    code = train.main(["--out", out, "--resume", "--steps", str(steps)] + cache if resume
+                      else flags + cache + ["--out", out])
     return code or train.read_json(os.path.join(out, "eval.json"))
 
 
@@ -540,6 +550,7 @@ def cmd_table(args):
         raise UsageError(f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}.")
     T, B = args.segment_length or preset.segment_length, args.batch_size or preset.batch_size
     train.check_writable_dir(args.out_root, "--out-root")
+    cache = cache_flags(args)
     plan = []
     for name, segments, xl in [r for r in TABLE_ROWS if r[0] in wanted]:  # every row checked before any trains
         base = os.path.join(args.out_root, name.replace(" ", "_").replace("+", "plus"))
@@ -565,7 +576,7 @@ def cmd_table(args):
     for name, segments, xl, runs, flags in plan:
         per_seed = []
         for seed, out in runs:
-            ev = finished_or_trained(f"{name}, seed {seed}", out, flags + ["--seed", str(seed)], args.steps)
+            ev = finished_or_trained(f"{name}, seed {seed}", out, flags + ["--seed", str(seed)], args.steps, cache)
             if isinstance(ev, int):
                 return ev
             per_seed.append({"seed": seed, "run": out, "perplexity": ev["perplexity"],
@@ -634,6 +645,7 @@ def cmd_finetune(args):
                "--num-neighbors", str(config.num_neighbors), "--memory-size", str(config.memory_size)]
     train.check_fits(config, config.batch_size)
     train.check_writable_dir(args.out_root, "--out-root")
+    cache = cache_flags(args)
     # A fresh start counts its steps from 0 again: its own directory, and its curve shifted.
     tuned_dir = "fine_tuned_fresh_start" if args.fresh_start else "fine_tuned"
     dirs = {k: os.path.join(args.out_root, d) for k, d in
@@ -646,7 +658,7 @@ def cmd_finetune(args):
     for _, out, flags, _ in plan:  # every run checked before any trains
         check_planned_run(out, flags)
     for name, out, flags, steps in plan:
-        ev = finished_or_trained(name, out, flags, steps)
+        ev = finished_or_trained(name, out, flags, steps, cache)
         if isinstance(ev, int):
             return ev
     scratch, before = eval_curve(dirs["memory"]), eval_curve(dirs["no_memory"])
@@ -745,6 +757,8 @@ def build_parser():
     s.add_argument("--batch-size", type=positive, help="rows (the preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (the preset's if unset)")
     s.add_argument("--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)")
+    s.add_argument("--cache-dir", help="tokenizer, token and compilation cache of every run it trains or resumes "
+                   "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
     s.add_argument("--out-root", default="runs/finetune", help="where the three runs go (no_memory, fine_tuned or "
                    "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one resumed; "
                    "finetune.json (or finetune_fresh_start.json) is written here")
@@ -761,6 +775,8 @@ def build_parser():
                    "--init-gate-bias; default: the preset's); use another --out-root for the runs")
     s.add_argument("--rows", help="comma-separated subset of the rows (default: all): " +
                    ", ".join(n for n, _, _ in TABLE_ROWS))
+    s.add_argument("--cache-dir", help="tokenizer, token and compilation cache of every run it trains or resumes "
+                   "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
     s.add_argument("--out-root", default="runs/table", help="where the runs go; a row whose run finished at --steps "
                    "is reused, an unfinished one is resumed")
     return p

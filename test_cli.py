@@ -202,8 +202,8 @@ def evaluate_faults(command):
         "sample": [lambda ws: ["--prompt-file", str(ws)], lambda ws: ["--prompt-file", str(ws / "afile"),
                                                                       "--prompt-doc", "0"]],
         "reach": [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "r.json")]],
-        "finetune": [lambda ws: ["--out-root", str(ws / "afile")]],
-        "table": [lambda ws: ["--out-root", str(ws / "afile")]],
+        "finetune": [lambda ws: ["--out-root", str(ws / "afile")], lambda ws: ["--cache-dir", str(ws / "afile")]],
+        "table": [lambda ws: ["--out-root", str(ws / "afile")], lambda ws: ["--cache-dir", str(ws / "afile")]],
     }[command]
     sized = ["--memory-size"] if command in ("perplexity", "recall", "sample") else []
     return (st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace) |

@@ -167,7 +167,8 @@ def test_slot_positions_follow_the_ring_buffer_layout():
 def table(tmp, *flags):
     """evaluate.py table in a subprocess, for an early job: (its process, its --out-root)."""
     argv = ["table", "--data", "synthetic:40", "--steps", "2", "--segment-length", "32", "--batch-size", "4",
-            "--num-neighbors", "8", "--out-root", str(tmp / "table"), "--rows", "XL cache,memory 4T + XL"] + list(flags)
+            "--num-neighbors", "8", "--out-root", str(tmp / "table"), "--rows", "XL cache,memory 4T + XL",
+            "--cache-dir", str(tmp / "cache")] + list(flags)
     return subprocess.run([sys.executable, "evaluate.py"] + argv, cwd=HERE, capture_output=True, text=True,
                           env=job_env()), tmp / "table"
 
@@ -186,6 +187,9 @@ def test_table_trains_the_paper_rows_and_writes_table_json(two_table_rows, capsy
     assert all(r["steps"] == 2 and r["perplexity"] > 1 for r in rows)
     assert [r["perplexity_memory_off"] is None for r in rows] == [True, False]
     assert "memory off" in proc.stdout
+    # --cache-dir reached the rows' runs: the tokenizer and the tokens are cached there.
+    cached = sorted(p.name.split("-")[0] for p in (root.parent / "cache").iterdir() if p.is_file())
+    assert cached == ["tokenizer", "tokens", "tokens"], cached
     # The ceiling, from an explicit scan of the validation tokens (segment 32 + XL cache 32).
     config, _, sp, run_args = evaluate.load_run(rows[1]["run"])
     docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
@@ -234,8 +238,11 @@ def test_finetune_trains_without_memory_then_with_it_and_prints_both_curves(tmp_
     root = tmp_path / "ft"
     flags = ["finetune", "--preset", "tiny", "--data", "synthetic:40", "--steps", "4", "--finetune-steps", "2",
              "--eval-every", "2", "--eval-docs", "2", "--eval-tokens", "64", "--segment-length", "32",
-             "--batch-size", "4", "--num-neighbors", "8", "--memory-size", "64", "--out-root", str(root)]
+             "--batch-size", "4", "--num-neighbors", "8", "--memory-size", "64", "--out-root", str(root),
+             "--cache-dir", str(tmp_path / "cache")]
     assert evaluate.main(flags) == 0
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.is_file()) == [
+        "tokenizer", "tokens", "tokens"]
     saved = {k: json.loads((root / k / "config.json").read_text()) for k in ("no_memory", "fine_tuned", "memory")}
     assert [saved[k]["config"]["memory_size"] for k in ("no_memory", "fine_tuned", "memory")] == [0, 64, 64]
     assert saved["fine_tuned"]["args"]["init_from"] == str(root / "no_memory")
