@@ -481,8 +481,9 @@ def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, c
     row = tmp_path / "XL_cache"
     assert train.main(FAST + ["--steps", "2", "--out", str(row), "--cache-dir", cache, "--memory-size", "0",
                               "--xl-cache", "--eval-every", "0", "--batch-size", "4", "--seed", "0"]) == 0
-    argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--steps", "2", "--segment-length", "32",
-            "--batch-size", "4", "--num-neighbors", "8", "--data", "synthetic:40"]
+    its_cache = tmp_path / "its_cache"  # the table's own, so that a resume's use of it shows
+    argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--cache-dir", str(its_cache), "--steps", "2",
+            "--segment-length", "32", "--batch-size", "4", "--num-neighbors", "8", "--data", "synthetic:40"]
     before = snapshot(tmp_path)
     left_out = argv[:-4] + argv[-2:]  # no --num-neighbors: the preset's 32
     assert left_out[-4:] == ["--batch-size", "4", "--data", "synthetic:40"]
@@ -496,6 +497,7 @@ def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, c
     assert code == 0, err
     assert "resuming XL cache" in out
     assert json.loads((row / "eval.json").read_text())["step"] == 2
+    assert sorted(p.name.split("-")[0] for p in its_cache.iterdir()) == ["tokens", "tokens"]  # the run's tokenizer
     assert json.loads((tmp_path / "table.json").read_text())[0]["perplexity"] > 1
 
 
