@@ -166,10 +166,11 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
 
     Sums the duration of every traced event of the step's module: kernels on a GPU (inside a
     CUDA graph, XLA's "command buffer", a kernel is named after its fusion), thunks on a CPU
-    (where parallel threads add up to more than the wall time; a plain `dot` thunk's work runs
-    mostly on threads the trace does not tie to it, so it is undercounted). Each operation is mapped to
-    the JAX operation it came from (HLO metadata); library matmuls carry none. Writes the
-    trace, the HLO and the tables to out_dir; returns the table by JAX operation, longest first.
+    (where parallel threads add up to more than the wall time; a plain `dot` thunk's work
+    runs mostly on threads the trace does not tie to it, so it is undercounted). Each
+    operation is mapped to the JAX operation it came from (HLO metadata); library matmuls
+    carry none. Writes the trace, the HLO and the tables to out_dir; returns the table by
+    JAX operation, longest first.
     """
     import jax
     from jax.profiler import ProfileData
