@@ -202,6 +202,8 @@ def main(argv=None):
         return 0
     if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
         p.error(f"--json {args.json} is a directory or its folder does not exist.")
+    if shutil.which(args.peer_python) is None:
+        p.error(f"--peer-python {args.peer_python} is not a program that can be run.")
 
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     code, _, err = run_child([args.peer_python, "-c", "import " + ", ".join(PEER_PACKAGES)], env=env)

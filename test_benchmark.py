@@ -227,6 +227,9 @@ def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median
         assert row["theirs_step_s"] is row["theirs_ratio"] is row["theirs_recall"] is row["ours_over_theirs"] is None
         assert row["ours_step_s"] == full["ours_step_s"] and row["ours_ratio"] == full["ours_ratio"]
 
-    with pytest.raises(SystemExit) as stop:
-        peer_benchmark.main(["--repeats", "0"])
-    assert stop.value.code == 2 and capsys.readouterr().err == "error: --repeats must be >= 1.\n"
+    for flags, error in ((["--repeats", "0"], "--repeats must be >= 1."),
+                         (["--peer-python", "/no/such/python"], "--peer-python /no/such/python is not a program "
+                                                                "that can be run.")):
+        with pytest.raises(SystemExit) as stop:
+            peer_benchmark.main(flags)  # refused before benchmark.py runs
+        assert stop.value.code == 2 and capsys.readouterr().err == f"error: {error}\n"
