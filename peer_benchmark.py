@@ -200,8 +200,10 @@ def main(argv=None):
     if args.peer_row is not None:
         print(json.dumps(peer_row(args.peer_row, args.steps)))
         return 0
-    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
-        p.error(f"--json {args.json} is a directory or its folder does not exist.")
+    folder = os.path.dirname(os.path.abspath(args.json or "."))
+    writable = os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+    if args.json and (os.path.isdir(args.json) or not writable):
+        p.error(f"--json {args.json} is a directory, or its folder does not exist or cannot be written to.")
     if shutil.which(args.peer_python) is None:
         p.error(f"--peer-python {args.peer_python} is not a program that can be run.")
 
@@ -236,8 +238,9 @@ def main(argv=None):
           f"{'ours/theirs':>11}" + (f" {'min':>6} {'max':>6}" if spread else ""))
     for r in rows:
         print(f"{r['memory_size']:>8} {r['ours_step_s']:>8.4f} {r['ours_ratio']:>6.3f} "
-              f"{fmt(r['ours_recall'], '.3f'):>6} {fmt(r['theirs_step_s'], '.4f'):>9} {fmt(r['theirs_ratio'], '.3f'):>6} "
-              f"{fmt(r['theirs_recall'], '.3f'):>6} {fmt(r['ours_over_theirs'], '.3f'):>11}"
+              f"{fmt(r['ours_recall'], '.3f'):>6} {fmt(r['theirs_step_s'], '.4f'):>9} "
+              f"{fmt(r['theirs_ratio'], '.3f'):>6} {fmt(r['theirs_recall'], '.3f'):>6} "
+              f"{fmt(r['ours_over_theirs'], '.3f'):>11}"
               + (f" {fmt(r['ours_over_theirs_min'], '.3f'):>6} {fmt(r['ours_over_theirs_max'], '.3f'):>6}"
                  if spread else ""))
     for r in rows:  # benchmark.py times the gradient in the no-memory row only

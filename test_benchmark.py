@@ -189,7 +189,7 @@ def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (flags, err)
 
 
-def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median_over_repeats(capsys):
+def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median_over_repeats(tmp_path, capsys):
     import numpy as np
     import peer_benchmark
     sizes = [0, 8192]
@@ -227,9 +227,13 @@ def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median
         assert row["theirs_step_s"] is row["theirs_ratio"] is row["theirs_recall"] is row["ours_over_theirs"] is None
         assert row["ours_step_s"] == full["ours_step_s"] and row["ours_ratio"] == full["ours_ratio"]
 
+    cannot = "is a directory, or its folder does not exist or cannot be written to."
     for flags, error in ((["--repeats", "0"], "--repeats must be >= 1."),
                          (["--peer-python", "/no/such/python"], "--peer-python /no/such/python is not a program "
-                                                                "that can be run.")):
+                                                                "that can be run."),
+                         (["--json", str(tmp_path)], f"--json {tmp_path} {cannot}"),
+                         (["--json", str(tmp_path / "no" / "x.json")],
+                          f"--json {tmp_path / 'no' / 'x.json'} {cannot}")):
         with pytest.raises(SystemExit) as stop:
             peer_benchmark.main(flags)  # refused before benchmark.py runs
         assert stop.value.code == 2 and capsys.readouterr().err == f"error: {error}\n"
