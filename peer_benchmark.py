@@ -207,6 +207,24 @@ def main(argv=None):
     if shutil.which(args.peer_python) is None:
         p.error(f"--peer-python {args.peer_python} is not a program that can be run.")
 
+    # From here on Ctrl-C and SIGTERM raise KeyboardInterrupt: run_child stops the child that
+    # runs (benchmark.py, which stops its row, or a peer row) before we leave.
+    old = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return side_by_side_command(args, sizes)
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written.", file=sys.stderr)
+        return 130
+    except OSError as e:  # a file the checks did not foresee (as root, /proc passes os.access)
+        print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return 2
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def side_by_side_command(args, sizes):
+    """Both sides, --repeats times, then the table (and --json)."""
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     code, _, err = run_child([args.peer_python, "-c", "import " + ", ".join(PEER_PACKAGES)], env=env)
     peer = not code

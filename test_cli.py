@@ -630,6 +630,57 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
                    for k in kids), "a row process outlived benchmark.py"
 
 
+def children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return f.read().split()
+    except FileNotFoundError:  # it has ended
+        return []
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except FileNotFoundError:  # it has ended
+        return ""
+
+
+def running(pid):
+    """Whether the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@early
+def peer_benchmark_stopped(tmp):
+    """SIGTERM to peer_benchmark.py once its benchmark.py child has started its row process:
+    (its exit code, its stderr, the pids of that child and grandchild, which of them still run
+    half a second later)."""
+    proc = launch("peer_benchmark.py", ["--memory-sizes", "0", "--steps", "1000", "--peer-python", sys.executable],
+                  job_env())  # this Python has no torch: the peer is skipped, and our rows run
+    found, deadline = [], time.time() + 120
+    while len(found) < 2 and time.time() < deadline and proc.poll() is None:
+        kids = [k for k in children(proc.pid) if "benchmark.py" in cmdline(k)]
+        found = kids[:1] + (children(kids[0])[:1] if kids else [])
+        time.sleep(0.05)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    code, err = ending(proc)
+    time.sleep(0.5)
+    return code, err, found, [k for k in found if running(k)]
+
+
+def test_sigterm_stops_peer_benchmark_and_its_benchmark_and_row_processes(peer_benchmark_stopped):
+    code, err, found, left = peer_benchmark_stopped
+    assert len(found) == 2, ("benchmark.py and its row process never both ran", err)
+    assert_interrupted(code, err)
+    assert not left, "a process outlived peer_benchmark.py"
+
+
 @pytest.mark.parametrize("size, code, expected", [(10 ** 6, 0, 141), (1, 0, 141), (1, 2, 2)],
                          ids=["while-running", "at-exit", "failure-at-exit"])
 def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size, code, expected):
