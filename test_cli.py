@@ -606,30 +606,6 @@ def test_ctrl_c_while_starting_and_during_the_final_evaluation(interrupted_train
     assert json.loads((run / "eval.json").read_text())["step"] == 2
 
 
-def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):
-    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it."""
-    proc = launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0",
-                                  "--csv", str(tmp_path / "c.csv")])
-    wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
-    proc.send_signal(signal.SIGTERM)
-    assert_interrupted(*ending(proc))
-    assert not (tmp_path / "c.csv").exists()
-    proc = launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
-    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
-    for _ in range(200):
-        kids = open(children).read().split()
-        if kids:
-            break
-        time.sleep(0.05)
-    assert kids, "benchmark.py started no row process"
-    time.sleep(2)
-    proc.send_signal(signal.SIGTERM)
-    assert_interrupted(*ending(proc))
-    time.sleep(0.5)
-    assert not any(os.path.exists(f"/proc/{k}") and "Z" not in open(f"/proc/{k}/stat").read().split()[2]
-                   for k in kids), "a row process outlived benchmark.py"
-
-
 def children(pid):
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -653,6 +629,28 @@ def running(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):
+    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it."""
+    proc = launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0",
+                                  "--csv", str(tmp_path / "c.csv")])
+    wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
+    proc.send_signal(signal.SIGTERM)
+    assert_interrupted(*ending(proc))
+    assert not (tmp_path / "c.csv").exists()
+    proc = launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
+    for _ in range(200):
+        kids = children(proc.pid)
+        if kids:
+            break
+        time.sleep(0.05)
+    assert kids, "benchmark.py started no row process"
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    assert_interrupted(*ending(proc))
+    time.sleep(0.5)
+    assert not any(running(k) for k in kids), "a row process outlived benchmark.py"
 
 
 @early
