@@ -207,20 +207,12 @@ def main(argv=None):
     if shutil.which(args.peer_python) is None:
         p.error(f"--peer-python {args.peer_python} is not a program that can be run.")
 
-    # From here on Ctrl-C and SIGTERM raise KeyboardInterrupt: run_child stops the child that
-    # runs (benchmark.py, which stops its row, or a peer row) before we leave.
-    old = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return side_by_side_command(args, sizes)
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written.", file=sys.stderr)
-        return 130
-    except OSError as e:  # a file the checks did not foresee (as root, /proc passes os.access)
-        print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
-        return 2
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    # The way every script here runs its command (train.run_command): bad files one line and
+    # exit code 2; Ctrl-C and SIGTERM a KeyboardInterrupt, on which run_child stops the child
+    # that runs (benchmark.py, which stops its row, or a peer row) before we leave with 130.
+    sys.path.insert(0, HERE)
+    import train
+    return train.run_command(lambda args: side_by_side_command(args, sizes), args)
 
 
 def side_by_side_command(args, sizes):
@@ -268,7 +260,6 @@ def side_by_side_command(args, sizes):
                   + (f" (each repeat: {', '.join(f'{x:.3f}' for x in r['grad_over_forward_by_repeat'])})"
                      if spread else ""))
     if args.json:
-        sys.path.insert(0, HERE)
         import train
         tag = lambda runs: [dict(row, repeat=i) for i, run in enumerate(runs) for row in run.values()]
         train.atomic_write(args.json, json.dumps({"repeats": args.repeats, "rows": rows, "ours": tag(ours_runs),
