@@ -510,8 +510,13 @@ def check_planned_run(out, flags):
     refused, not reported as this one."""
     if not os.path.isfile(os.path.join(out, "config.json")):
         return
-    args = train.build_parser().parse_args(flags)
-    conflict = train.resume_conflict(args, train.read_run_config(out), out, train.given_flags(flags))
+    args, saved = train.build_parser().parse_args(flags), train.read_run_config(out)
+    conflict = train.resume_conflict(args, saved, out, train.given_flags(flags))
+    if not conflict:  # and the settings no flag names, the preset's: the model's size, ...
+        planned = train.config_from_args(args)
+        conflict = next(((f"--{f.name.replace('_', '-')} {getattr(planned, f.name)}", getattr(saved["config"], f.name))
+                         for f in dataclasses.fields(mt.Config) if f.name not in train.RESUME_MAY_CHANGE
+                         and getattr(planned, f.name) != getattr(saved["config"], f.name)), None)
     if conflict:
         raise UsageError(f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
                          f"choose another --out-root, or remove that run.")

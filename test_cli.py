@@ -26,7 +26,7 @@ import evaluate
 import sample
 import train
 from conftest import early, job_env
-from test_train import FAST, HERE, ending
+from test_train import FAST, HERE, TINY_FAST, ending
 
 SCRIPTS = {"train": train.main, "evaluate": evaluate.main, "benchmark": benchmark.main, "sample": sample.main}
 
@@ -479,7 +479,7 @@ def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, c
     And only if the run is the row's: one of another --segment-length, batch or data was once
     reused (or resumed) without a word and reported as the row asked for."""
     row = tmp_path / "XL_cache"
-    assert train.main(FAST + ["--steps", "2", "--out", str(row), "--cache-dir", cache, "--memory-size", "0",
+    assert train.main(TINY_FAST + ["--steps", "2", "--out", str(row), "--cache-dir", cache, "--memory-size", "0",
                               "--xl-cache", "--eval-every", "0", "--batch-size", "4", "--seed", "0"]) == 0
     its_cache = tmp_path / "its_cache"  # the table's own, so that a resume's use of it shows
     argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--cache-dir", str(its_cache), "--steps", "2",
@@ -492,6 +492,16 @@ def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, c
         code, _, err = call("evaluate", probe, capsys)
         assert_refused(code, err, probe)
         assert "holds a run of other settings" in err and snapshot(tmp_path) == before, (probe, err)
+    # ... nor one of another setting that the table has no flag for (the model's size, ...)
+    saved = (row / "config.json").read_bytes()
+    other = json.loads(saved)
+    other["config"].update(num_layers=2, memory_layers=[1])
+    (row / "config.json").write_text(json.dumps(other))
+    code, _, err = call("evaluate", argv, capsys)
+    assert_refused(code, err, argv)
+    assert "holds a run of other settings (--num-layers 4 here, 2 there)" in err
+    (row / "config.json").write_bytes(saved)
+    assert snapshot(tmp_path) == before
     (row / "eval.json").write_text('{"step": 2, "perplexity": 3')
     code, out, err = call("evaluate", argv, capsys)
     assert code == 0, err
@@ -576,7 +586,8 @@ def wait_until_jax_loads(proc, timeout=120):
 @early
 def interrupted_train_runs(tmp):
     """Ctrl-C (SIGINT) to train.py 0.2 s and 2 s after it starts to load JAX, and 0.5 s after its
-    last step: each process's ending, and the directories of the last run and of its cache."""
+    last step; then the last run resumed: each interrupted process's ending, what the last one
+    left (whether an eval.json, its checkpoint's step), the resumed process and the run's directory."""
     endings, cache = [], str(tmp / "cache")
     for delay in (0.2, 2.0):
         proc = launch("train.py", FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache], job_env())
@@ -589,20 +600,24 @@ def interrupted_train_runs(tmp):
     wait_for_line(proc, "step      2")
     time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
     proc.send_signal(signal.SIGINT)
-    return endings + [ending(proc)], tmp / "run", cache
+    endings.append(ending(proc))
+    run = tmp / "run"
+    left = {"eval.json": (run / "eval.json").exists(), "step": train.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"]}
+    resumed = subprocess.run([sys.executable, "train.py", "--out", str(run), "--resume", "--cache-dir", cache], cwd=HERE,
+                             capture_output=True, text=True, env=job_env())
+    return endings, left, resumed, run
 
 
 def test_ctrl_c_while_starting_and_during_the_final_evaluation(interrupted_train_runs):
     """Issue 14.9: before anything is written (JAX importing, data loading), and during the final
     evaluation (which once crashed with a segmentation fault): one line, exit 130, the
     checkpoint kept, and --resume then evaluates it."""
-    (*starting, evaluating), run, cache = interrupted_train_runs
+    (*starting, evaluating), left, resumed, run = interrupted_train_runs
     for code, err in starting:
         assert_interrupted(code, err)
     assert "final evaluation" in assert_interrupted(*evaluating)
-    assert not (run / "eval.json").exists()
-    assert train.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"] == 2
-    assert train.main(["--out", str(run), "--resume", "--cache-dir", cache]) == 0
+    assert left == {"eval.json": False, "step": 2}
+    assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run / "eval.json").read_text())["step"] == 2
 
 

@@ -19,9 +19,12 @@ import train
 from conftest import early, job_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# A model small enough that a run of a few steps takes seconds.
-FAST = ["--data", "synthetic:40", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
-        "--num-neighbors", "8", "--eval-docs", "2", "--eval-tokens", "64", "--log-every", "1"]
+# A model small enough that a run of a few steps takes seconds: the tiny preset with short
+# segments and a small batch and memory (TINY_FAST, the layers that evaluate.py table and
+# finetune train), and at two layers, the second with the memory (FAST, which compiles faster).
+TINY_FAST = ["--data", "synthetic:40", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
+             "--num-neighbors", "8", "--eval-docs", "2", "--eval-tokens", "64", "--log-every", "1"]
+FAST = TINY_FAST + ["--num-layers", "2", "--memory-layers", "1"]
 
 
 # ----------------------------------------------------------------------------- Adafactor
@@ -265,7 +268,7 @@ def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tm
         for k, v in before.items():
             if k.startswith("params"):  # copied (a step at lr 1e-9 moves nothing visibly)
                 np.testing.assert_allclose(after[k], v, atol=1e-6, err_msg=k)
-        gate = "params['layers'][2]['gate_bias']"
+        gate = "params['layers'][1]['gate_bias']"
         assert gate in after and (src == "mem") == (gate in before)
         if src == "nomem":
             np.testing.assert_allclose(after[gate], 0.0, atol=1e-6)  # fresh: g = 0.5
@@ -428,7 +431,7 @@ def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cac
     (["--min-doc-tokens", "100000"], "no document of at least 100000 tokens"),
     (["--data", "synthetic:0"], "synthetic:N"),
     (["--d-model", "100"], "must equal d_model (100)"),
-    (["--num-layers", "2"], "memory layer index 2 is out of range for 2 layers"),
+    (["--memory-layers", "2"], "memory layer index 2 is out of range for 2 layers"),
     (["--suffixes", ".py,,.c"], "comma-separated file name endings"),
     (["--suffixes", ".py"], "--suffixes applies to a repository PATH"),
 ])
@@ -499,7 +502,7 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_woul
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and " ".join(flag) + " would" in err and "would change it" in err, (flag, err)
         assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before, flag
-    same = ["--preset", "tiny", "--memory-layers", "2", "--memory-dtype", "float32", "--xl-cache", "--tokenizer",
+    same = ["--preset", "tiny", "--memory-layers", "1", "--memory-dtype", "float32", "--xl-cache", "--tokenizer",
             str(out / "tokenizer.model"), "--log-every", "2", "--save-every", "1"]
     assert run(out, cache, "--steps", "2", "--resume", *same) == 0
     assert json.loads((out / "eval.json").read_text())["step"] == 2
