@@ -200,9 +200,10 @@ def main(argv=None):
     if args.peer_row is not None:
         print(json.dumps(peer_row(args.peer_row, args.steps)))
         return 0
+    sys.path.insert(0, HERE)
+    import train  # (not before: a peer row runs in the peer's Python, which has no JAX)
     folder = os.path.dirname(os.path.abspath(args.json or "."))
-    writable = os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
-    if args.json and (os.path.isdir(args.json) or not writable):
+    if args.json and (os.path.isdir(args.json) or not train.writable_directory(folder)):
         p.error(f"--json {args.json} is a directory, or its folder does not exist or cannot be written to.")
     if shutil.which(args.peer_python) is None:
         p.error(f"--peer-python {args.peer_python} is not a program that can be run.")
@@ -210,8 +211,6 @@ def main(argv=None):
     # The way every script here runs its command (train.run_command): bad files one line and
     # exit code 2; Ctrl-C and SIGTERM a KeyboardInterrupt, on which run_child stops the child
     # that runs (benchmark.py, which stops its row, or a peer row) before we leave with 130.
-    sys.path.insert(0, HERE)
-    import train
     return train.run_command(lambda args: side_by_side_command(args, sizes), args)
 
 

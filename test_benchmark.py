@@ -233,7 +233,8 @@ def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median
                                                                 "that can be run."),
                          (["--json", str(tmp_path)], f"--json {tmp_path} {cannot}"),
                          (["--json", str(tmp_path / "no" / "x.json")],
-                          f"--json {tmp_path / 'no' / 'x.json'} {cannot}")):
+                          f"--json {tmp_path / 'no' / 'x.json'} {cannot}"),
+                         (["--json", "/proc/x.json"], f"--json /proc/x.json {cannot}")):  # os.access passes it as root
         with pytest.raises(SystemExit) as stop:
             peer_benchmark.main(flags)  # refused before benchmark.py runs
         assert stop.value.code == 2 and capsys.readouterr().err == f"error: {error}\n"

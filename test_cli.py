@@ -449,6 +449,16 @@ def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run,
     monkeypatch.setattr(benchmark, "run_child", lambda cmd, env=None: pytest.fail("a row ran before --json was checked"))
     code, _, err = call("benchmark", ["--memory-sizes", "0", "--json", str(tmp_path)], capsys)
     assert_refused(code, err, "--json dir")
+    # A directory where no file can be made, though os.access passes it as root: /proc.
+    before = snapshot(finished_run)
+    for script, argv in (("train", FAST + ["--out", "/proc/mt-run", "--cache-dir", cache]),
+                         ("train", FAST + ["--out", str(tmp_path / "r"), "--cache-dir", "/proc/mt-cache"]),
+                         ("benchmark", ["--memory-sizes", "0", "--json", "/proc/mt.json"]),
+                         ("evaluate", ["perplexity", str(finished_run), "--json", "/proc/mt.json"])):
+        code, _, err = call(script, argv, capsys)
+        assert_refused(code, err, argv)
+        assert "not a writable directory" in err and "/proc" in err, err
+    assert snapshot(finished_run) == before and not (tmp_path / "r").exists()
     monkeypatch.setattr(benchmark, "run_child", lambda cmd, env=None: (1, "", "Traceback (most recent call last):\n"
                                                                        "  File \"x\", line 1\nValueError: boom\n"))
     code, _, err = call("benchmark", ["--memory-sizes", "0"], capsys)

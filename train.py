@@ -265,12 +265,27 @@ def atomic_write(path, content):
             os.remove(tmp)
 
 
+def writable_directory(folder):
+    """Whether a file can be made in `folder`: an existing directory that os.access lets us
+    write to and where a file, made and removed at once, can be made. (As root, os.access
+    passes any directory, /proc included, where no file can be made.)"""
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".writable-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
 def check_writable_dir(path, flag):
     """Refuse, before anything is written, a directory that cannot be created or written to."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+    if not writable_directory(probe):
         raise UsageError(f"cannot write to {flag} {path}: {probe} is not a writable directory.")
 
 
@@ -279,7 +294,7 @@ def check_output_file(path, flag):
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"cannot write --{flag} {path}: it is a directory.")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+    if not writable_directory(folder):
         raise UsageError(f"cannot write --{flag} {path}: {folder} is not a writable directory.")
 
 
