@@ -293,6 +293,15 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
         if first == 4:
             assert json.loads((out / "config.json").read_text())["config"]["steps"] == 5
     assert run(tmp_path / "bad", cache, "--fresh-start") == 2
+    # The run's model as it is: not a layer more or fewer (once loaded or dropped without a word).
+    for layers, message in ((["--num-layers", "3"], "has no params['layers'][2]['attn_norm']"),
+                            (["--num-layers", "1", "--memory-layers", "0"], "has params['layers'][1]['attn_norm'], "
+                                                                           "which this config has no place for")):
+        capsys.readouterr()
+        assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / "src"), *layers) == 2
+        err = capsys.readouterr().err
+        assert message in err and "may only add or drop memory" in err and err.count("\n") == 1, err
+        assert not (tmp_path / "bad").exists()
     # The source run's tokenizer, always (another --tokenizer was once dropped without a word).
     other = tmp_path / "other.model"
     other.write_bytes((tmp_path / "src" / "tokenizer.model").read_bytes())

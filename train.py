@@ -341,6 +341,21 @@ def restore_tree(template, arrays, prefix, path, strict=True):
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
+def check_same_model(params, arrays, path):
+    """Fine-tuning (--init-from) takes the source run's model as it is, and may add memory to it
+    or drop it: every parameter but a memory layer's gate must be in both the checkpoint and
+    this config. (Another number of layers once loaded the layers both had and left the others
+    fresh, or dropped them, without a word; other widths fail on the shapes.)"""
+    gate = lambda key: key.endswith("['gate_bias']")
+    ours = {"params" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    theirs = {k for k in arrays if k.startswith("params")}
+    missing, extra = sorted(k for k in ours - theirs if not gate(k)), sorted(k for k in theirs - ours if not gate(k))
+    if missing or extra:
+        which = f"has no {missing[0]}" if missing else f"has {extra[0]}, which this config has no place for"
+        raise UsageError(f"checkpoint {path} {which}: fine-tuning keeps the run's model (its layers and widths) "
+                         f"and may only add or drop memory.")
+
+
 # What a run directory's config.json must hold under "args" (train.py's flags) to be resumed
 # or evaluated, and the type of each.
 RUN_ARGS = {"data": str, "data_format": str, "valid_fraction": float, "eval_docs": int, "eval_tokens": int}
@@ -677,8 +692,8 @@ def build_parser():
                    "finished run with its eval.json: nothing to do, unless --steps goes further)")
     p.add_argument("--init-from", metavar="RUN_DIR", help="fine-tune another run (Sec. 4.4): its weights, and its "
                    "step count, learning-rate schedule and Adafactor statistics continue, for --steps more steps "
-                   "(a different memory size, or a run without memory: new parameters start fresh); the data "
-                   "stream starts anew")
+                   "(a different memory size, or a run without memory: new parameters start fresh; the model's "
+                   "layers and widths stay the run's); the data stream starts anew")
     p.add_argument("--fresh-start", action="store_true", help="with --init-from: take only the weights; the step "
                    "count, the warmup and Adafactor's statistics start from 0")
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between printed lines")
@@ -881,6 +896,7 @@ def initial_state(config, args, out, stream):
     if args.init_from:
         path = os.path.join(args.init_from, "checkpoint.npz")
         meta, arrays = load_checkpoint(path)
+        check_same_model(params, arrays, path)
         params = restore_tree(params, arrays, "params", path, strict=False)
         if not args.fresh_start:  # fine-tuning continues the schedule and the optimizer (meliad does too)
             source = read_run_config(args.init_from)["config"]
