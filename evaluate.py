@@ -67,6 +67,8 @@ def load_run(run_dir, memory_size=None):
     # are parameters initialized; otherwise their shapes are the template (no compile, no work).
     fresh_gates = bool(config.active_memory_layers) and not any("gate_bias" in k for k in arrays)
     init = lambda: mt.init_params(config, jax.random.PRNGKey(0))
+    if fresh_gates:  # then only the gates may be missing (strict=False below)
+        train.check_same_model(jax.eval_shape(init), arrays, ckpt)
     params = train.restore_tree(init() if fresh_gates else jax.eval_shape(init), arrays, "params", ckpt,
                                 strict=not fresh_gates)
     return config, params, sp, saved["args"]

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,6 +156,13 @@ def test_a_checkpoint_without_gates_is_loaded_with_fresh_gates_and_every_other_w
             key = "params" + jax.tree_util.keystr(p)
             expected = arrays[key] if path == run_dir or key not in gates else np.full(x.shape, config.init_gate_bias)
             np.testing.assert_array_equal(np.asarray(x), expected, err_msg=key)
+    # Only the gates: a checkpoint that lacks a layer's weights too is refused, not filled in.
+    last = f"params['layers'][{config.num_layers - 1}]"
+    train.atomic_write(str(run / "checkpoint.npz"), lambda f: np.savez(
+        f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+        **{k: v for k, v in kept.items() if not k.startswith(last)}))
+    with pytest.raises(train.UsageError, match=re.escape(f"has no {last}[")):
+        evaluate.load_run(str(run))
 
 
 def test_slot_positions_follow_the_ring_buffer_layout():

@@ -343,8 +343,8 @@ def restore_tree(template, arrays, prefix, path, strict=True):
 
 def check_same_model(params, arrays, path):
     """Fine-tuning (--init-from) takes the source run's model as it is, and may add memory to it
-    or drop it: every parameter but a memory layer's gate must be in both the checkpoint and
-    this config. (Another number of layers once loaded the layers both had and left the others
+    or drop it (so may evaluate.py): every parameter but a memory layer's gate must be in both
+    the checkpoint and this config. (Another number of layers once loaded the layers both had and left the others
     fresh, or dropped them, without a word; other widths fail on the shapes.)"""
     gate = lambda key: key.endswith("['gate_bias']")
     ours = {"params" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -352,8 +352,8 @@ def check_same_model(params, arrays, path):
     missing, extra = sorted(k for k in ours - theirs if not gate(k)), sorted(k for k in theirs - ours if not gate(k))
     if missing or extra:
         which = f"has no {missing[0]}" if missing else f"has {extra[0]}, which this config has no place for"
-        raise UsageError(f"checkpoint {path} {which}: fine-tuning keeps the run's model (its layers and widths) "
-                         f"and may only add or drop memory.")
+        raise UsageError(f"checkpoint {path} {which}: it holds another model (other layers or widths), and only "
+                         f"memory may be added to a run's model or dropped from it.")
 
 
 # What a run directory's config.json must hold under "args" (train.py's flags) to be resumed
