@@ -81,24 +81,33 @@ def _dependency_order(files):
     for n, _ in files:
         stems.setdefault(os.path.splitext(os.path.basename(n))[0], []).append(n)
     text = dict(files)
-    done, order = set(), []
 
-    def visit(name, stack):
-        if name in done or name in stack:
-            return
-        stack.add(name)
+    def dependencies(name):  # the files that `name` imports, in the order of their names
         imports = _isabelle_imports(text[name]) if name.endswith(".thy") else _python_imports(text[name])
         for imp in sorted(imports):
             candidates = [c for c in stems.get(imp, []) if os.path.splitext(c)[1] == os.path.splitext(name)[1]]
             near = [c for c in candidates if os.path.dirname(c) == os.path.dirname(name)]
             dep = (near or candidates or [None])[0]
             if dep and dep != name:
-                visit(dep, stack)
-        done.add(name)
-        order.append(name)
+                yield dep
 
-    for name, _ in files:
-        visit(name, set())
+    # Depth first, a file after its dependencies; an import cycle is cut where it closes. With
+    # a stack of our own, not Python's: an import chain may be thousands of files long.
+    done, order = set(), []
+    for first, _ in files:
+        if first in done:
+            continue
+        entered, stack = {first}, [(first, dependencies(first))]
+        while stack:
+            name, deps = stack[-1]
+            dep = next((d for d in deps if d not in done and d not in entered), None)
+            if dep is None:
+                stack.pop()
+                done.add(name)
+                order.append(name)
+            else:
+                entered.add(dep)
+                stack.append((dep, dependencies(dep)))
     return [(n, text[n]) for n in order]
 
 

@@ -127,6 +127,24 @@ def test_dependency_order_puts_imported_modules_first(tmp_path):
         assert [n[-4:] for n in names] == ["a.py", "b.py", "c.py"]
 
 
+def test_dependency_order_of_a_long_import_chain_and_of_a_cycle(tmp_path):
+    """A chain of 3000 files, each importing the next (once a RecursionError), and a cycle of
+    three, cut where it closes: each file comes after the file it imports, but for one."""
+    for i in range(3000):
+        write(str(tmp_path / "chain" / "r" / f"m{i:04d}.py"), f"import m{i + 1:04d}\n")
+    (doc,) = data.read_repo(str(tmp_path / "chain"), 0, dependency_order=True)
+    names = [l.rsplit("/", 1)[-1] for l in doc.text.splitlines() if l.startswith("# file:")]
+    assert names == [f"m{i:04d}.py" for i in reversed(range(3000))]
+    for name, imported in (("a", "b"), ("b", "c"), ("c", "a")):
+        write(str(tmp_path / "cycle" / "r" / f"{name}.py"), f"import {imported}\n")
+    for seed in range(4):
+        (doc,) = data.read_repo(str(tmp_path / "cycle"), seed, dependency_order=True)
+        names = [l.rsplit("/", 1)[-1] for l in doc.text.splitlines() if l.startswith("# file:")]
+        assert sorted(names) == ["a.py", "b.py", "c.py"]
+        imports = {"a.py": "b.py", "b.py": "c.py", "c.py": "a.py"}
+        assert sum(names.index(imports[n]) < names.index(n) for n in names) == 2, (seed, names)
+
+
 def test_isabelle_theories_come_after_the_theories_they_import_across_directories(tmp_path):
     """Sec. 4.1: the files of a theory in import order. Headers as Isabelle writes them:
     quoted, session-qualified and path names, comments, keywords, several lines."""
