@@ -128,24 +128,38 @@ def _listdir(path, stats):
 
 def _walk_unit(root, rel, rng, stats, suffixes):
     """One directory as a unit (Sec. 4.1): its files and subdirectories in random order, each
-    subdirectory's files contiguous. Returns [(relative name, text)]."""
-    path = os.path.join(root, rel)
-    entries = [e for e in _listdir(path, stats) if not e.startswith(".") and e != "__pycache__"]
-    rng.shuffle(entries)
-    files, out = [], []
-    for e in entries:
-        full, name = os.path.join(path, e), os.path.join(rel, e)
-        if os.path.isdir(full) and not os.path.islink(full):
-            out.append(_walk_unit(root, name, rng, stats, suffixes))
-        elif _is_file_or_broken_link(full) and (not suffixes or e.endswith(suffixes)):
-            text = _read_text_file(full, stats)
-            if text is not None and text.strip():
-                files.append((name, text))
-            elif text is not None:
-                stats["empty"] += 1
-    units = [[f] for f in files] + out  # a file, or a whole subdirectory, is one unit
-    rng.shuffle(units)
-    return [f for unit in units for f in unit]
+    subdirectory's files contiguous. Returns [(relative name, text)].
+
+    Depth first, with a stack of our own rather than Python's (a tree may be nested a few
+    thousand directories deep): each directory on it is (its name, its entries still to
+    visit, its files, its subdirectories' walks)."""
+    def enter(rel):
+        entries = [e for e in _listdir(os.path.join(root, rel), stats) if not e.startswith(".") and e != "__pycache__"]
+        rng.shuffle(entries)
+        return rel, iter(entries), [], []
+
+    stack = [enter(rel)]
+    while True:
+        rel, entries, files, out = stack[-1]
+        for e in entries:
+            full, name = os.path.join(root, rel, e), os.path.join(rel, e)
+            if os.path.isdir(full) and not os.path.islink(full):
+                stack.append(enter(name))  # its walk goes into `out` once it is done
+                break
+            if _is_file_or_broken_link(full) and (not suffixes or e.endswith(suffixes)):
+                text = _read_text_file(full, stats)
+                if text is not None and text.strip():
+                    files.append((name, text))
+                elif text is not None:
+                    stats["empty"] += 1
+        else:  # every entry visited
+            stack.pop()
+            units = [[f] for f in files] + out  # a file, or a whole subdirectory, is one unit
+            rng.shuffle(units)
+            walk = [f for unit in units for f in unit]
+            if not stack:
+                return walk
+            stack[-1][3].append(walk)
 
 
 def _join_files(files):

@@ -145,6 +145,20 @@ def test_dependency_order_of_a_long_import_chain_and_of_a_cycle(tmp_path):
         assert sum(names.index(imports[n]) < names.index(n) for n in names) == 2, (seed, names)
 
 
+def test_a_repository_nested_1200_directories_deep_is_read(tmp_path):
+    """Once a RecursionError: the walk keeps its own stack."""
+    deep = str(tmp_path / "r")
+    os.mkdir(deep)
+    for _ in range(1200):  # (os.makedirs would recurse as deep)
+        deep = os.path.join(deep, "a")
+        os.mkdir(deep)
+    write(os.path.join(deep, "f.py"), "x = 1\n")
+    write(str(tmp_path / "r" / "g.py"), "y = 2\n")
+    (doc,) = data.read_repo(str(tmp_path), 0)
+    assert sorted(l for l in doc.text.splitlines() if l.startswith("# file:")) == [
+        "# file: " + os.path.join("r", *["a"] * 1200, "f.py"), "# file: r/g.py"]
+
+
 def test_isabelle_theories_come_after_the_theories_they_import_across_directories(tmp_path):
     """Sec. 4.1: the files of a theory in import order. Headers as Isabelle writes them:
     quoted, session-qualified and path names, comments, keywords, several lines."""
