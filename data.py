@@ -197,11 +197,37 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
     return docs
 
 
+def _walk(top, onerror=None):
+    """os.walk(top, onerror=onerror), top-down, with a stack of our own: Python 3.11's os.walk
+    recurses once per directory level, and a tree a few thousand levels deep ended in a
+    RecursionError. Yields (dirpath, dirnames, filenames); dirnames may be edited in place
+    (sorted, pruned) to steer the walk, and links to directories are listed, not entered."""
+    stack = [top]
+    while stack:
+        root = stack.pop()
+        try:
+            with os.scandir(root) as it:
+                entries = list(it)
+        except OSError as e:
+            if onerror is not None:
+                onerror(e)
+            continue
+        dirs, files = [], []
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            (dirs if is_dir else files).append(entry.name)
+        yield root, dirs, files
+        stack.extend(p for p in (os.path.join(root, d) for d in reversed(dirs)) if not os.path.islink(p))
+
+
 def read_text_dir(path, stats=None):
     """The PG-19 layout: every .txt file below path is one document."""
     stats = stats if stats is not None else _new_stats()
     docs = []
-    for root, dirs, files in os.walk(path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)):
+    for root, dirs, files in _walk(path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)):
         dirs.sort()
         for f in sorted(files):
             if f.endswith(".txt"):
@@ -217,7 +243,7 @@ def read_jsonl(path, stats=None):
     """The C4 / arXiv layout: one JSON object per line with a `text` field (.jsonl files)."""
     stats = stats if stats is not None else _new_stats()
     paths = [path] if os.path.isfile(path) else [
-        os.path.join(r, f) for r, _, fs in sorted(os.walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
+        os.path.join(r, f) for r, _, fs in sorted(_walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
     docs = []
     for p in paths:
         try:
@@ -407,7 +433,7 @@ def _new_stats():
 def detect_format(path):
     if os.path.isfile(path):
         return "jsonl" if path.endswith(".jsonl") else "text"
-    names = [f for _, _, fs in os.walk(path) for f in fs]
+    names = [f for _, _, fs in _walk(path) for f in fs]
     if any(n.endswith(".jsonl") for n in names):
         return "jsonl"
     if names and all(n.endswith(".txt") for n in names):
@@ -535,7 +561,7 @@ def corpus_key(source, fmt, seed, docs=None, suffixes=None):
         h.update(d.text.encode())
     root = stdlib_path() if source == "stdlib" else source
     if not is_synthetic(source) and os.path.exists(root):
-        for r, dirs, files in os.walk(root):
+        for r, dirs, files in _walk(root):
             dirs.sort()
             for f in sorted(files):
                 try:

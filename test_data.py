@@ -145,18 +145,62 @@ def test_dependency_order_of_a_long_import_chain_and_of_a_cycle(tmp_path):
         assert sum(names.index(imports[n]) < names.index(n) for n in names) == 2, (seed, names)
 
 
-def test_a_repository_nested_1200_directories_deep_is_read(tmp_path):
-    """Once a RecursionError: the walk keeps its own stack."""
+def remove_deep(deep, levels):
+    """Remove the last `levels` directories of the path `deep` and their files, from the bottom
+    up: pytest's cleanup of old temporary directories (shutil.rmtree) recurses once per level."""
+    for _ in range(levels):
+        for f in os.listdir(deep):
+            os.remove(os.path.join(deep, f))
+        os.rmdir(deep)
+        deep = os.path.dirname(deep)
+
+
+def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
+    """Once a RecursionError: the walks (a repository's, and data._walk, os.walk's twin, for
+    the other formats, the format's detection and the cache key) keep their own stacks."""
     deep = str(tmp_path / "r")
     os.mkdir(deep)
-    for _ in range(1200):  # (os.makedirs would recurse as deep)
+    for _ in range(1200):  # (os.makedirs would recurse as deep, and so would shutil.rmtree)
         deep = os.path.join(deep, "a")
         os.mkdir(deep)
+    request.addfinalizer(lambda: remove_deep(deep, 1200))
     write(os.path.join(deep, "f.py"), "x = 1\n")
     write(str(tmp_path / "r" / "g.py"), "y = 2\n")
-    (doc,) = data.read_repo(str(tmp_path), 0)
+    (doc,) = data.load_documents(str(tmp_path), verbose=False)  # the format detected: repo
     assert sorted(l for l in doc.text.splitlines() if l.startswith("# file:")) == [
         "# file: " + os.path.join("r", *["a"] * 1200, "f.py"), "# file: r/g.py"]
+    key = data.corpus_key(str(tmp_path), "auto", 0)
+    write(os.path.join(deep, "book.txt"), "a book\n")
+    assert data.corpus_key(str(tmp_path), "auto", 0) != key  # the deepest directory's files count in it
+    (doc,) = data.load_documents(str(tmp_path), "text", verbose=False)
+    assert doc.id == os.path.join("r", *["a"] * 1200, "book.txt") and doc.text == "a book\n"
+
+
+def test_walk_equals_os_walk_links_errors_and_edited_dirnames_included(tmp_path):
+    rng = np.random.default_rng(0)
+    dirs = [tmp_path / "t"]
+    for i in range(60):  # a random tree: each new directory below one made before
+        dirs.append(dirs[rng.integers(len(dirs))] / f"d{i}")
+        dirs[-1].mkdir(parents=True)
+        for j in range(rng.integers(3)):
+            (dirs[-1] / f"f{j}.txt").write_text("x")
+    os.symlink(dirs[5], dirs[1] / "to_a_dir")  # listed as a directory, not entered
+    os.symlink(tmp_path / "nowhere", dirs[2] / "dangling")
+    os.symlink(dirs[3], dirs[3] / "loop")
+    os.symlink(dirs[4] / "f0.txt", dirs[6] / "to_a_file")
+    for top in (tmp_path / "t", dirs[7], tmp_path / "missing"):
+        errors = ([], [])
+        assert list(data._walk(str(top), errors[0].append)) == list(os.walk(str(top), onerror=errors[1].append))
+        assert [type(e) for e in errors[0]] == [type(e) for e in errors[1]]
+
+        def steered(walk):  # the caller sorts and prunes dirnames in place, as read_text_dir sorts them
+            seen = []
+            for root, names, files in walk:
+                names.sort(reverse=True)
+                del names[2:]
+                seen.append((root, list(names), sorted(files)))
+            return seen
+        assert steered(data._walk(str(top))) == steered(os.walk(str(top)))
 
 
 def test_isabelle_theories_come_after_the_theories_they_import_across_directories(tmp_path):
