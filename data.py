@@ -159,7 +159,8 @@ def _walk_unit(root, rel, rng, stats, suffixes):
             walk = [f for unit in units for f in unit]
             if not stack:
                 return walk
-            stack[-1][3].append(walk)
+            _, _, _, parent_out = stack[-1]
+            parent_out.append(walk)
 
 
 def _join_files(files):
