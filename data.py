@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import stat
 import sys
 import sysconfig
 from typing import NamedTuple
@@ -36,14 +37,25 @@ class Document(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- sources
-def _read_text_file(path, stats):
-    """The file's text, or None (counted in stats) if it is binary, not UTF-8 or unreadable
-    (no permission, a symlink loop)."""
+def _read_bytes(path, stats):
+    """A regular file's bytes, or None (counted in stats as unreadable) if it cannot be read (no
+    permission, a symlink loop) or is not a regular file: a named pipe would block the read
+    until something wrote to it, and a device need not end."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise IsADirectoryError(path)  # (any OSError: counted below)
+            return f.read()
     except OSError:
         stats["unreadable"] += 1
+        return None
+
+
+def _read_text_file(path, stats):
+    """The file's text, or None (counted in stats) if it is binary, not UTF-8, unreadable or
+    not a regular file (_read_bytes)."""
+    raw = _read_bytes(path, stats)
+    if raw is None:
         return None
     if b"\0" in raw:
         stats["binary"] += 1
@@ -247,13 +259,10 @@ def read_jsonl(path, stats=None):
         os.path.join(r, f) for r, _, fs in sorted(_walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
     docs = []
     for p in paths:
-        try:
-            with open(p, "rb") as f:
-                lines = f.readlines()
-        except OSError:
-            stats["unreadable"] += 1
+        raw = _read_bytes(p, stats)
+        if raw is None:
             continue
-        for n, line in enumerate(lines, 1):
+        for n, line in enumerate(io.BytesIO(raw).readlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -1,6 +1,8 @@
 """data.py: the batching invariants against explicit bookkeeping, sources, tokenizer, bad input."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -174,6 +176,24 @@ def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
     assert data.corpus_key(str(tmp_path), "auto", 0) != key  # the deepest directory's files count in it
     (doc,) = data.load_documents(str(tmp_path), "text", verbose=False)
     assert doc.id == os.path.join("r", *["a"] * 1200, "book.txt") and doc.text == "a book\n"
+
+
+def test_a_named_pipe_in_a_corpus_is_skipped_and_counted_not_waited_on(tmp_path):
+    """A FIFO named like a corpus file (a.txt, a.jsonl, a.py): its read once blocked until
+    something wrote to it, that is, forever. Each format is read in a process of its own,
+    which a blocked read could not outlive."""
+    for fmt, name, good, skipped in (("text", "a.txt", "some text\n", ["data: skipped 1 unreadable"]),
+                                     ("jsonl", "a.jsonl", '{"text": "some text"}\n', ["data: skipped 1 unreadable"]),
+                                     ("repo", "r/a.py", "x = 1\n", [])):  # a repository reads its regular files only
+        os.makedirs(tmp_path / fmt / os.path.dirname(name), exist_ok=True)
+        os.mkfifo(tmp_path / fmt / name)
+        write(str(tmp_path / fmt / name.replace("a.", "b.")), good)
+        code = ("import data, sys; docs = data.load_documents(sys.argv[1], sys.argv[2]); "
+                "print(len(docs), 'some text' in docs[0].text or 'x = 1' in docs[0].text)")
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / fmt), fmt], cwd=os.path.dirname(data.__file__),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines() == skipped + ["1 True"], (fmt, proc.stdout)
 
 
 def test_walk_equals_os_walk_links_errors_and_edited_dirnames_included(tmp_path):
