@@ -142,7 +142,7 @@ def cmd_perplexity(args):
             print(f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss {result[f'reference_loss{band}']:.4f}"
                   f" over {result[f'reference_tokens{band}']}" + ("" if off is None else f" (memory off: {off:.4f})"))
     if args.json:
-        train.atomic_write(args.json, json.dumps(result, indent=2))
+        train.write_output(args.json, json.dumps(result, indent=2))
     return 0
 
 
@@ -207,7 +207,7 @@ def cmd_compare(args):
     w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta", "kind", "context_reach"])
     for i, (t, x, y, d) in enumerate(zip(doc[1:], ce_a, ce_b, delta)):
         w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}", kinds[i], reaches[i]])
-    train.atomic_write(args.csv, table.getvalue())
+    train.write_output(args.csv, table.getvalue())
     print(f"memory {a} vs {b} on validation document {args.doc} ({len(delta)} tokens): mean delta "
           f"{delta.mean():+.4f} nats, {np.mean(delta > 0):.1%} of tokens improved")
     for i in np.argsort(-delta)[:10]:
@@ -233,7 +233,7 @@ def cmd_compare(args):
             ax.set_xlabel("token index")
             ax.set_ylabel(f"CE(M={a}) - CE(M={b})")
             fig.tight_layout()
-            train.atomic_write(args.plot, lambda f: fig.savefig(f, dpi=120, format="png"))
+            train.write_output(args.plot, lambda f: fig.savefig(f, dpi=120, format="png"))
     return 0
 
 
@@ -303,7 +303,7 @@ def cmd_recall(args):
     print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
           f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")
     if args.json:
-        train.atomic_write(args.json, json.dumps(result, indent=2))
+        train.write_output(args.json, json.dumps(result, indent=2))
     return 0
 
 
@@ -351,7 +351,7 @@ def cmd_explore(args):
     doc, _ = _doc(args, run_args, sp, config)
     page = explore_data(params, config, sp, doc, args.top, args.run_dir, args.doc)
     blob = json.dumps(page, separators=(",", ":")).replace("</", "<\\/")  # nothing in it can close the script
-    train.atomic_write(args.out, EXPLORE_PAGE.replace("__DATA__", blob))
+    train.write_output(args.out, EXPLORE_PAGE.replace("__DATA__", blob))
     s = page["summary"]
     print(f"{args.out}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} (memory off "
           f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory")
@@ -502,7 +502,7 @@ def cmd_reach(args):
           f"documents per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
           f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) holds.")
     if args.json:
-        train.atomic_write(args.json, json.dumps(rows, indent=2))
+        train.write_output(args.json, json.dumps(rows, indent=2))
     return 0
 
 

@@ -203,7 +203,8 @@ def main(argv=None):
     sys.path.insert(0, HERE)
     import train  # (not before: a peer row runs in the peer's Python, which has no JAX)
     folder = os.path.dirname(os.path.abspath(args.json or "."))
-    if args.json and (os.path.isdir(args.json) or not train.writable_directory(folder)):
+    if args.json and not train.is_stream(args.json) and (os.path.isdir(args.json) or
+                                                         not train.writable_directory(folder)):
         p.error(f"--json {args.json} is a directory, or its folder does not exist or cannot be written to.")
     if shutil.which(args.peer_python) is None:
         p.error(f"--peer-python {args.peer_python} is not a program that can be run.")
@@ -261,7 +262,7 @@ def side_by_side_command(args, sizes):
     if args.json:
         import train
         tag = lambda runs: [dict(row, repeat=i) for i, run in enumerate(runs) for row in run.values()]
-        train.atomic_write(args.json, json.dumps({"repeats": args.repeats, "rows": rows, "ours": tag(ours_runs),
+        train.write_output(args.json, json.dumps({"repeats": args.repeats, "rows": rows, "ours": tag(ours_runs),
                                                   "theirs": tag(theirs_runs)}, indent=2))
     return 0
 

@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -463,6 +464,26 @@ def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run,
                                                                        "  File \"x\", line 1\nValueError: boom\n"))
     code, _, err = call("benchmark", ["--memory-sizes", "0"], capsys)
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err and "ValueError: boom" in err
+
+
+def test_an_output_named_as_a_pipe_is_written_to_it_not_replaced(tmp_path, finished_run, capsys):
+    """`--json /dev/stdout` or a named pipe: the output goes into the stream. (A rename over it
+    once replaced the pipe with a file, so its reader waited forever; as root, /dev/stdout
+    itself would have been replaced.)"""
+    got = {}
+    for flag, argv in (("--json", ["perplexity", str(finished_run), "--eval-docs", "1", "--eval-tokens", "64"]),
+                       ("--csv", ["compare", str(finished_run), "--memory-sizes", "0,64", "--max-tokens", "64"])):
+        pipe = tmp_path / f"pipe{flag}"
+        os.mkfifo(pipe)
+        reader = threading.Thread(target=lambda p=pipe, f=flag: got.__setitem__(f, p.read_text()), daemon=True)
+        reader.start()
+        code, _, err = call("evaluate", argv + [flag, str(pipe)], capsys)
+        reader.join(timeout=60)
+        assert code == 0, err
+        assert not reader.is_alive() and stat.S_ISFIFO(os.stat(pipe).st_mode), flag
+        assert all(name.startswith("pipe") for name in os.listdir(tmp_path))  # no temporary file left
+    assert json.loads(got["--json"])["perplexity"] > 1
+    assert got["--csv"].splitlines()[0].startswith("index,target,")
 
 
 def test_broken_run_directories_are_refused_in_one_sentence(tmp_path, finished_run, cache, capsys):

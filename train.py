@@ -265,6 +265,25 @@ def atomic_write(path, content):
             os.remove(tmp)
 
 
+def is_stream(path):
+    """Whether path exists and is not a regular file or a directory: a pipe, a terminal,
+    /dev/stdout. An output named so is written to as it is (write_output), not replaced."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
+def write_output(path, content):
+    """A file the user named (--json, --csv, --plot, --out): written whole or not at all
+    (atomic_write), or, where it is a stream (`--json /dev/stdout`, a named pipe), written to
+    it: a rename would replace the pipe, or /dev/stdout itself, with a file."""
+    if not is_stream(path):
+        return atomic_write(path, content)
+    with open(path, "wb") as f:
+        if callable(content):
+            content(f)
+        else:
+            f.write(content.encode() if isinstance(content, str) else content)
+
+
 def writable_directory(folder):
     """Whether a file can be made in `folder`: an existing directory that os.access lets us
     write to and where a file, made and removed at once, can be made. (As root, os.access
@@ -294,6 +313,8 @@ def check_output_file(path, flag):
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"cannot write --{flag} {path}: it is a directory.")
+    if is_stream(path):
+        return  # written to as it is (write_output)
     if not writable_directory(folder):
         raise UsageError(f"cannot write --{flag} {path}: {folder} is not a writable directory.")
 
