@@ -252,10 +252,7 @@ def atomic_write(path, content):
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            if callable(content):
-                content(f)
-            else:
-                f.write(content.encode() if isinstance(content, str) else content)
+            _write_content(f, content)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
@@ -263,6 +260,14 @@ def atomic_write(path, content):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _write_content(f, content):
+    """atomic_write's and write_output's `content` into the binary file f."""
+    if callable(content):
+        content(f)
+    else:
+        f.write(content.encode() if isinstance(content, str) else content)
 
 
 def is_stream(path):
@@ -278,10 +283,7 @@ def write_output(path, content):
     if not is_stream(path):
         return atomic_write(path, content)
     with open(path, "wb") as f:
-        if callable(content):
-            content(f)
-        else:
-            f.write(content.encode() if isinstance(content, str) else content)
+        _write_content(f, content)
 
 
 def writable_directory(folder):
