@@ -43,12 +43,12 @@ def _read_bytes(path, stats):
     until something wrote to it, and a device need not end."""
     try:
         with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise IsADirectoryError(path)  # (any OSError: counted below)
-            return f.read()
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return f.read()
     except OSError:
-        stats["unreadable"] += 1
-        return None
+        pass
+    stats["unreadable"] += 1
+    return None
 
 
 def _read_text_file(path, stats):
