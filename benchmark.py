@@ -523,8 +523,9 @@ def main(argv=None):
                    "(default: the same as --dtype)")
     p.add_argument("--attention", choices=["explicit", "fused"], default="explicit", help="local attention "
                    "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)")
-    p.add_argument("--json", help="write the rows to this file as a list of objects")
-    p.add_argument("--profile", metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
+    p.add_argument("--json", type=train.path_arg, help="write the rows to this file as a list of objects")
+    p.add_argument("--profile", type=train.path_arg,
+                   metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
                    "that took the most time and the largest arrays the step's operations produce, and keep the "
                    "trace, the HLO and the tables in DIR")
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "

@@ -699,8 +699,8 @@ def build_parser():
 
     def with_run(name, help):
         s = sub.add_parser(name, help=help, formatter_class=train.HelpFormatter)
-        s.add_argument("run_dir", help="a train.py output directory")
-        s.add_argument("--data", help="corpus (default: the run's own)")
+        s.add_argument("run_dir", type=train.path_arg, help="a train.py output directory")
+        s.add_argument("--data", type=train.path_arg, help="corpus (default: the run's own)")
         s.add_argument("--data-format", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
                        help="as in train.py (default: the run's own)")
         return s
@@ -711,13 +711,13 @@ def build_parser():
     s.add_argument("--eval-tokens", type=positive, help="tokens from each document's start (default: the run's)")
     s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
                    "approximate top-k (default: the run's)")
-    s.add_argument("--json", help="write the result here")
+    s.add_argument("--json", type=train.path_arg, help="write the result here")
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
     s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--csv", required=True, help="per-token output")
-    s.add_argument("--plot", help="a PNG of delta per token (needs matplotlib)")
+    s.add_argument("--csv", type=train.path_arg, required=True, help="per-token output")
+    s.add_argument("--plot", type=train.path_arg, help="a PNG of delta per token (needs matplotlib)")
     s = with_run("inspect", "what the memory retrieves for the tokens it helps most (Tables 6-8)")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
@@ -727,18 +727,19 @@ def build_parser():
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--top", type=positive, default=4, help="memories kept per query and head")
-    s.add_argument("--out", required=True, help="the HTML file to write")
+    s.add_argument("--out", type=train.path_arg, required=True, help="the HTML file to write")
     s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
     s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="run the model, store the memory and score "
                    "the search in this dtype, the exact top-k too (default: the run's)")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--json", help="write the result here")
+    s.add_argument("--json", type=train.path_arg, help="write the result here")
     s = sub.add_parser("reach", help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
                        "documents with references D tokens back (the needle test)",
                        formatter_class=train.HelpFormatter)
-    s.add_argument("run_dir", help="a train.py output directory of a run trained on --data synthetic")
+    s.add_argument("run_dir", type=train.path_arg,
+                   help="a train.py output directory of a run trained on --data synthetic")
     s.add_argument("--distances", type=positive_ints, default="1024,4096,16384,61440",
                    help="comma-separated: how many tokens back each probe's value was defined")
     s.add_argument("--memory-sizes", type=positive_ints, default="512,2048,8192,65536",
@@ -747,12 +748,13 @@ def build_parser():
     s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
                    "approximate top-k (default: the run's)")
     s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
-    s.add_argument("--json", help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
+    s.add_argument("--json", type=train.path_arg,
+                   help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
                    "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
     s = sub.add_parser("finetune", help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
                        "memory from scratch for the same total steps", formatter_class=train.HelpFormatter)
     s.add_argument("--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run")
-    s.add_argument("--data", default="synthetic", help="corpus of every run")
+    s.add_argument("--data", type=train.path_arg, default="synthetic", help="corpus of every run")
     s.add_argument("--steps", type=positive, default=1500, help="steps without memory")
     s.add_argument("--finetune-steps", type=positive, default=500, help="steps of fine-tuning with memory after them")
     s.add_argument("--fresh-start", action="store_true", help="fine-tune with a fresh step count, warmup and "
@@ -764,14 +766,16 @@ def build_parser():
     s.add_argument("--batch-size", type=positive, help="rows (the preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (the preset's if unset)")
     s.add_argument("--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)")
-    s.add_argument("--cache-dir", help="tokenizer, token and compilation cache of every run it trains or resumes "
+    s.add_argument("--cache-dir", type=train.path_arg,
+                   help="tokenizer, token and compilation cache of every run it trains or resumes "
                    "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
-    s.add_argument("--out-root", default="runs/finetune", help="where the three runs go (no_memory, fine_tuned or "
+    s.add_argument("--out-root", type=train.path_arg,
+                   default="runs/finetune", help="where the three runs go (no_memory, fine_tuned or "
                    "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one resumed; "
                    "finetune.json (or finetune_fresh_start.json) is written here")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
                        formatter_class=train.HelpFormatter)
-    s.add_argument("--data", default="stdlib", help="corpus for every row")
+    s.add_argument("--data", type=train.path_arg, default="stdlib", help="corpus for every row")
     s.add_argument("--steps", type=positive, default=1200, help="training steps per row")
     s.add_argument("--segment-length", type=positive, help="T (tiny preset's if unset)")
     s.add_argument("--batch-size", type=positive, help="rows (tiny preset's if unset)")
@@ -782,9 +786,11 @@ def build_parser():
                    "--init-gate-bias; default: the preset's); use another --out-root for the runs")
     s.add_argument("--rows", help="comma-separated subset of the rows (default: all): " +
                    ", ".join(n for n, _, _ in TABLE_ROWS))
-    s.add_argument("--cache-dir", help="tokenizer, token and compilation cache of every run it trains or resumes "
+    s.add_argument("--cache-dir", type=train.path_arg,
+                   help="tokenizer, token and compilation cache of every run it trains or resumes "
                    "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
-    s.add_argument("--out-root", default="runs/table", help="where the runs go; a row whose run finished at --steps "
+    s.add_argument("--out-root", type=train.path_arg,
+                   default="runs/table", help="where the runs go; a row whose run finished at --steps "
                    "is reused, an unfinished one is resumed")
     return p
 

@@ -191,6 +191,8 @@ def main(argv=None):
         p.error("--steps must be >= 1.")
     if args.repeats < 1:
         p.error("--repeats must be >= 1.")
+    if args.json == "" or args.peer_python == "":
+        p.error(f"argument {'--json' if args.json == '' else '--peer-python'}: needs a path, got an empty string.")
     try:
         sizes = [int(s) for s in args.memory_sizes.split(",") if s.strip()]
     except ValueError:

@@ -85,10 +85,10 @@ def generate(params, config, prompt, num_tokens, temperature=1.0, top_k=None, se
 
 def build_parser():
     p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=train.HelpFormatter)
-    p.add_argument("run_dir", help="a train.py output directory")
+    p.add_argument("run_dir", type=train.path_arg, help="a train.py output directory")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
-    prompt.add_argument("--prompt-file", help="a UTF-8 file whose whole text is the prompt")
+    prompt.add_argument("--prompt-file", type=train.path_arg, help="a UTF-8 file whose whole text is the prompt")
     prompt.add_argument("--prompt-doc", type=train.count, metavar="N", help="validation document N of the run's "
                         "corpus (as evaluate.py numbers them), cut at --prompt-tokens")
     p.add_argument("--prompt-tokens", type=train.positive_int, help="with --prompt-doc: the first this many "

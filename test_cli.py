@@ -434,6 +434,49 @@ def test_flags_that_passed_the_old_checks_are_refused_in_one_sentence(tmp_path, 
     assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
 
 
+def _peer_benchmark(argv):
+    import peer_benchmark
+    try:
+        return peer_benchmark.main(argv)
+    except SystemExit as stop:  # its parser exits where train.Parser's callers return
+        return stop.code
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("train", ["--out", ""], "--out"), ("train", ["--init-from", ""], "--init-from"),
+    ("train", ["--tokenizer", ""], "--tokenizer"), ("train", ["--cache-dir", ""], "--cache-dir"),
+    ("train", ["--data", ""], "--data"),
+    ("evaluate", ["perplexity", ""], "run_dir"), ("evaluate", ["perplexity", "RUN", "--json", ""], "--json"),
+    ("evaluate", ["inspect", "RUN", "--data", ""], "--data"),
+    ("evaluate", ["compare", "RUN", "--memory-sizes", "0,64", "--csv", ""], "--csv"),
+    ("evaluate", ["compare", "RUN", "--memory-sizes", "0,64", "--csv", "WS/d.csv", "--plot", ""], "--plot"),
+    ("evaluate", ["explore", "RUN", "--out", ""], "--out"), ("evaluate", ["recall", "RUN", "--json", ""], "--json"),
+    ("evaluate", ["reach", "RUN", "--json", ""], "--json"),
+    ("evaluate", ["finetune", "--out-root", ""], "--out-root"), ("evaluate", ["table", "--cache-dir", ""], "--cache-dir"),
+    ("sample", ["RUN", "--prompt-file", ""], "--prompt-file"), ("sample", ["", "--prompt", "x"], "run_dir"),
+    ("benchmark", ["--json", ""], "--json"), ("benchmark", ["--profile", ""], "--profile"),
+    ("peer_benchmark", ["--json", ""], "--json"), ("peer_benchmark", ["--peer-python", ""], "--peer-python"),
+])
+def test_an_empty_path_is_refused_not_taken_as_unset_or_as_the_current_directory(tmp_path, finished_run, cache, capsys,
+                                                                                 monkeypatch, script, argv, flag):
+    """`--out "$DIR"` with DIR unset. train.py took an empty --out, --init-from or --tokenizer as not
+    given (a fresh run under runs/, a run from scratch, a new tokenizer); --json "" wrote nothing
+    and said nothing; an empty --csv or --out failed after the work with a temporary file's name."""
+    monkeypatch.chdir(tmp_path)  # anything written to the current directory would show
+    argv = [str(finished_run) if a == "RUN" else a.replace("WS", str(tmp_path)) for a in argv]
+    if script == "train":
+        argv = FAST + ["--cache-dir", cache] + (argv if "--out" in argv else ["--out", str(tmp_path / "r")] + argv)
+    before = snapshot(finished_run)
+    main = _peer_benchmark if script == "peer_benchmark" else SCRIPTS[script]
+    code = main(argv)
+    _, err = capsys.readouterr()
+    assert_refused(code, err, argv)
+    assert f"argument {flag}: needs a path, got an empty string" in err, err
+    assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
+    monkeypatch.setenv("MT_CACHE", "")  # an empty $MT_CACHE is unset too: the cache stays .cache
+    assert train.build_parser().parse_args([]).cache_dir == ".cache"
+
+
 def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run, cache, capsys, monkeypatch):
     """Issue 14.6: a cache directory that is a file or cannot be written; benchmark --json naming a
     directory, refused before the benchmark runs; a failed benchmark row is one line."""

@@ -500,6 +500,14 @@ def finite_float(text):
     return value
 
 
+def path_arg(text):
+    """An argparse type for a path: any string but the empty one (an unset shell variable,
+    `--out "$DIR"`, would otherwise pass as the flag's default or as the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("needs a path, got an empty string")
+    return text
+
+
 def fraction(text):
     value = finite_float(text)
     if not 0 < value < 1:
@@ -664,7 +672,7 @@ def build_parser():
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny",
                    help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
                    "2-layer recipe that learns the synthetic task, README)")
-    p.add_argument("--data", default="stdlib", help="stdlib (the running Python's standard library), "
+    p.add_argument("--data", default="stdlib", type=path_arg, help="stdlib (the running Python's standard library), "
                    "synthetic (4000 generated documents with near and far references; synthetic:N for N), or a PATH")
     p.add_argument("--data-format", default="auto", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
                    help="how to read PATH: repo = a directory per document, repo-deps = same in import "
@@ -709,11 +717,13 @@ def build_parser():
                    "in which batch rows take training documents; the train/validation split and the traversal of "
                    "repositories are fixed (seed 0), so runs with different seeds are scored on the same "
                    "validation documents")
-    p.add_argument("--out", help="output directory (default runs/<timestamp>); train.py refuses one that already "
+    p.add_argument("--out", type=path_arg,
+                   help="output directory (default runs/<timestamp>); train.py refuses one that already "
                    "holds a run unless --resume is given")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (a "
                    "finished run with its eval.json: nothing to do, unless --steps goes further)")
-    p.add_argument("--init-from", metavar="RUN_DIR", help="fine-tune another run (Sec. 4.4): its weights, and its "
+    p.add_argument("--init-from", type=path_arg,
+                   metavar="RUN_DIR", help="fine-tune another run (Sec. 4.4): its weights, and its "
                    "step count, learning-rate schedule and Adafactor statistics continue, for --steps more steps "
                    "(a different memory size, or a run without memory: new parameters start fresh; the model's "
                    "layers and widths stay the run's); the data stream starts anew")
@@ -726,8 +736,10 @@ def build_parser():
     p.add_argument("--eval-tokens", type=positive_int, default=4096,
                    help="tokens evaluated from each validation document's start")
     p.add_argument("--valid-fraction", type=fraction, default=0.05, help="share of documents held out")
-    p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one and cache it)")
-    p.add_argument("--cache-dir", default=os.environ.get("MT_CACHE", ".cache"), help="tokenizer and token cache "
+    p.add_argument("--tokenizer", type=path_arg,
+                   help="an existing SentencePiece .model (default: train one and cache it)")
+    p.add_argument("--cache-dir", type=path_arg,
+                   default=os.environ.get("MT_CACHE") or ".cache", help="tokenizer and token cache "
                    "(keyed on the corpus, the vocabulary size and the validation split), and in its jax/ folder the "
                    "compiled programs, which a later run with the same config loads instead of compiling")
     return p
