@@ -408,7 +408,7 @@ def search_table(args, base, batch, sizes):
           "top-k, in passes: the top-k of the bins' winners alone, by lax.top_k and by top_k_in_passes (a CPU's "
           "memory_search uses the passes), and the share of answers on which they agree (must be 1)")
     if args.json:
-        train.write_output(args.json, json.dumps(rows, indent=2))
+        train.write_output(args.json, train.json_text(rows))
     return 0
 
 
@@ -663,7 +663,7 @@ def benchmark(args):
         for b in r["profile"]["largest_buffers"]:
             print(f"{b['bytes'] / 2 ** 20:>9.1f}  {b['shape']:<28} {b['opcode']} {b['source'][-80:]}")
     if args.json:
-        train.write_output(args.json, json.dumps(rows, indent=2))
+        train.write_output(args.json, train.json_text(rows))
     return 0
 
 

@@ -142,7 +142,7 @@ def cmd_perplexity(args):
             print(f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss {result[f'reference_loss{band}']:.4f}"
                   f" over {result[f'reference_tokens{band}']}" + ("" if off is None else f" (memory off: {off:.4f})"))
     if args.json:
-        train.write_output(args.json, json.dumps(result, indent=2))
+        train.write_output(args.json, train.json_text(result))
     return 0
 
 
@@ -303,7 +303,7 @@ def cmd_recall(args):
     print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
           f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")
     if args.json:
-        train.write_output(args.json, json.dumps(result, indent=2))
+        train.write_output(args.json, train.json_text(result))
     return 0
 
 
@@ -502,7 +502,7 @@ def cmd_reach(args):
           f"documents per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
           f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) holds.")
     if args.json:
-        train.write_output(args.json, json.dumps(rows, indent=2))
+        train.write_output(args.json, train.json_text(rows))
     return 0
 
 
@@ -617,7 +617,7 @@ def cmd_table(args):
         print(f"ppl and memory off: mean ± standard deviation over {args.seeds} seeds (init and data order)")
     print(f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last occurred "
           f"beyond the window (segment + XL cache) but within the row's memory")
-    train.atomic_write(os.path.join(args.out_root, "table.json"), json.dumps(rows, indent=2))
+    train.atomic_write(os.path.join(args.out_root, "table.json"), train.json_text(rows))
     return 0
 
 
@@ -686,9 +686,10 @@ def cmd_finetune(args):
               " ".join(f"{fmt(b, c):>16}" for c in cols))
         curve.append({"step": step, "memory_from_scratch": a, "fine_tuned": b,
                       "fine_tuned_has_memory": step > args.steps})
-    train.atomic_write(os.path.join(args.out_root, f"{tuned_dir.replace('fine_tuned', 'finetune')}.json"), json.dumps(
+    summary = os.path.join(args.out_root, f"{tuned_dir.replace('fine_tuned', 'finetune')}.json")
+    train.atomic_write(summary, train.json_text(
         {"steps": args.steps, "finetune_steps": args.finetune_steps, "fresh_start": args.fresh_start,
-         "runs": dirs, "curve": curve}, indent=2))
+         "runs": dirs, "curve": curve}))
     return 0
 
 

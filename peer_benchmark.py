@@ -264,8 +264,8 @@ def side_by_side_command(args, sizes):
     if args.json:
         import train
         tag = lambda runs: [dict(row, repeat=i) for i, run in enumerate(runs) for row in run.values()]
-        train.write_output(args.json, json.dumps({"repeats": args.repeats, "rows": rows, "ours": tag(ours_runs),
-                                                  "theirs": tag(theirs_runs)}, indent=2))
+        train.write_output(args.json, train.json_text({"repeats": args.repeats, "rows": rows,
+                                                       "ours": tag(ours_runs), "theirs": tag(theirs_runs)}))
     return 0
 
 

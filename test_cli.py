@@ -527,6 +527,9 @@ def test_an_output_named_as_a_pipe_is_written_to_it_not_replaced(tmp_path, finis
         assert all(name.startswith("pipe") for name in os.listdir(tmp_path))  # no temporary file left
     assert json.loads(got["--json"])["perplexity"] > 1
     assert got["--csv"].splitlines()[0].startswith("index,target,")
+    # Text ends in a newline, JSON too (a shell's prompt after `--json /dev/stdout` was on its last line).
+    assert got["--json"].endswith("}\n") and got["--csv"].endswith("\n")
+    assert all((finished_run / name).read_text().endswith("}\n") for name in ("config.json", "eval.json"))
 
 
 def test_broken_run_directories_are_refused_in_one_sentence(tmp_path, finished_run, cache, capsys):

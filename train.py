@@ -262,6 +262,12 @@ def atomic_write(path, content):
             os.remove(tmp)
 
 
+def json_text(obj):
+    """The text of a JSON file we write: indented, and ending in a newline like any text file
+    (`--json /dev/stdout` then leaves the shell's prompt on a line of its own)."""
+    return json.dumps(obj, indent=2) + "\n"
+
+
 def _write_content(f, content):
     """atomic_write's and write_output's `content` into the binary file f."""
     if callable(content):
@@ -952,7 +958,7 @@ def write_run_files(out, args, config, tok_path, step):
         _truncate_metrics(os.path.join(out, "metrics.jsonl"), step, final=step >= config.steps)
         return
     atomic_write(os.path.join(out, "config.json"),
-                 json.dumps({"config": dataclasses.asdict(config), "args": vars(args)}, indent=2))
+                 json_text({"config": dataclasses.asdict(config), "args": vars(args)}))
     atomic_write(os.path.join(out, "metrics.jsonl"), b"")
 
 
@@ -1069,7 +1075,7 @@ def train(args, given):
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "eval_loss": result["loss"], "eval_perplexity": result["perplexity"],
                             **{k: v for k, v in result.items() if k.startswith("reference_loss")}}) + "\n")
-    atomic_write(os.path.join(out, "eval.json"), json.dumps(result, indent=2))
+    atomic_write(os.path.join(out, "eval.json"), json_text(result))
     print(f"{format_eval(step, result)} | {result['tokens']} tokens | {time.time() - t_start:.0f} s total | "
           f"{out}/eval.json", flush=True)
     return 0
