@@ -123,10 +123,11 @@ def _dependency_order(files):
     return [(n, text[n]) for n in order]
 
 
-def _is_file_or_broken_link(path):
-    """A file to read: a regular file, or a link that leads nowhere (dangling, or a loop),
-    which _read_text_file then counts as unreadable."""
-    return os.path.isfile(path) or (os.path.islink(path) and not os.path.exists(path))
+def _is_a_file(path):
+    """An entry to read as a file: anything but a directory or a link to one. A link that leads
+    nowhere (dangling, or a loop), a named pipe or a device is then counted as unreadable
+    (_read_bytes)."""
+    return not os.path.isdir(path)
 
 
 def _listdir(path, stats):
@@ -158,7 +159,7 @@ def _walk_unit(root, rel, rng, stats, suffixes):
             if os.path.isdir(full) and not os.path.islink(full):
                 stack.append(enter(name))  # its walk goes into `out` once it is done
                 break
-            if _is_file_or_broken_link(full) and (not suffixes or e.endswith(suffixes)):
+            if _is_a_file(full) and (not suffixes or e.endswith(suffixes)):
                 text = _read_text_file(full, stats)
                 if text is not None and text.strip():
                     files.append((name, text))
@@ -199,7 +200,7 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
             files = _dependency_order(files) if dependency_order else files
             if files:
                 docs.append(Document(e, _join_files(files)))
-        elif _is_file_or_broken_link(full) and (not suffixes or e.endswith(suffixes)):
+        elif _is_a_file(full) and (not suffixes or e.endswith(suffixes)):
             text = _read_text_file(full, stats)
             if text is not None and text.strip():
                 loose.append((e, text))
