@@ -583,6 +583,19 @@ def corpus_key(source, fmt, seed, docs=None, suffixes=None):
     return h.hexdigest()[:16]
 
 
+def fingerprint(*doc_lists):
+    """A short hash of lists of token documents (each an int array): their number, lengths and
+    ids. A checkpoint keeps the one of the documents it was trained on, which a --resume then
+    compares; unlike corpus_key it ignores file times, so a touched or copied corpus matches."""
+    h = hashlib.sha256()
+    for docs in doc_lists:
+        h.update(len(docs).to_bytes(8, "little"))
+        for d in docs:
+            d = np.ascontiguousarray(d, np.int32)
+            h.update(len(d).to_bytes(8, "little") + d.tobytes())
+    return h.hexdigest()[:16]
+
+
 def get_tokenizer(docs, vocab_size, cache_dir, key, seed=0):
     """The cached tokenizer for this corpus and vocab size, trained on first use."""
     os.makedirs(cache_dir, exist_ok=True)
@@ -704,8 +717,18 @@ class SegmentBatches:
         return {"epoch": self.epoch, "next_doc": self.next_doc, "rows": [None if r is None else list(r) for r in self.rows]}
 
     def restore(self, pos):
-        self.epoch, self.next_doc = pos["epoch"], pos["next_doc"]
-        self.rows = [None if r is None else list(r) for r in pos["rows"]]
+        """Continue from position(). A position that does not fit these documents (a row in a
+        document past the last, more or fewer rows) is a ValueError, not a later IndexError."""
+        epoch, next_doc, rows = pos["epoch"], pos["next_doc"], pos["rows"]
+        is_count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        fits = (is_count(epoch) and is_count(next_doc) and next_doc <= len(self.docs) and isinstance(rows, list)
+                and len(rows) == self.B and all(r is None or (isinstance(r, list) and len(r) == 2 and
+                                                              all(map(is_count, r)) and r[0] < len(self.docs))
+                                                for r in rows))
+        if not fits:
+            raise ValueError(f"the position {pos!r} does not fit {len(self.docs)} documents in {self.B} rows")
+        self.epoch, self.next_doc = epoch, next_doc
+        self.rows = [None if r is None else list(r) for r in rows]
         self._order = self._epoch_order(self.epoch)
         return self
 

@@ -379,6 +379,47 @@ def test_resuming_a_finished_run_does_nothing_and_a_lost_final_evaluation_is_red
     assert json.loads((run / "eval.json").read_text())["perplexity"] == pytest.approx(final["perplexity"], rel=1e-6)
 
 
+def test_a_resume_on_a_changed_corpus_is_refused_and_on_a_touched_one_continues(tmp_path, cache, capsys):
+    """A --resume reads the corpus again. One that had lost documents since the checkpoint ended
+    in an IndexError traceback; one whose documents were edited was trained on without a word,
+    each row continuing mid-way into another document with the memory of the old one. The
+    checkpoint now keeps a fingerprint of its documents' tokens: file times do not count."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, doc in enumerate(data.load_documents("synthetic:40", verbose=False)):  # FAST's documents, as files
+        (corpus / f"d{i:02d}.txt").write_text(doc.text)
+    run, old, touched = tmp_path / "run", tmp_path / "old", tmp_path / "touched"
+    assert call("train", FAST + ["--data", str(corpus), "--steps", "2", "--out", str(run), "--cache-dir", cache],
+                capsys)[0] == 0
+    shutil.copytree(run, old)  # as a checkpoint from before fingerprints: none in its metadata
+    with np.load(old / "checkpoint.npz") as z:
+        arrays = dict(z)
+    meta = json.loads(arrays.pop("__meta__").tobytes())
+    assert meta.pop("documents")
+    np.savez(old / "checkpoint.npz", __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    shutil.copytree(run, touched)
+    later = time.time() + 1000
+    for f in corpus.iterdir():
+        os.utime(f, (later, later))  # the same documents with other times: resumes
+    code, _, err = call("train", ["--out", str(touched), "--resume", "--steps", "3", "--cache-dir", cache], capsys)
+    assert code == 0, err
+    with open(corpus / "d05.txt", "a") as f:
+        f.write("one more line\n")
+    before = snapshot(tmp_path)
+    code, _, err = call("train", ["--out", str(run), "--resume", "--steps", "3", "--cache-dir", cache], capsys)
+    assert_refused(code, err, "edited")
+    assert "is not the one the checkpoint in" in err and "--init-from" in err
+    assert snapshot(tmp_path) == before
+    for f in sorted(corpus.iterdir())[5:]:  # five documents left: four to train on, for FAST's four rows
+        f.unlink()
+    before = snapshot(tmp_path)
+    for r, message in ((run, "is not the one the checkpoint in"), (old, "does not fit the training documents")):
+        code, _, err = call("train", ["--out", str(r), "--resume", "--steps", "3", "--cache-dir", cache], capsys)
+        assert_refused(code, err, r)
+        assert message in err
+    assert snapshot(tmp_path) == before
+
+
 # ----------------------------------------------------------------------------- one sentence, not a traceback
 def test_compare_with_a_memory_size_of_zero_and_a_memory_model(finished_run, tmp_path, capsys):
     """Issue 14.5: each memory size gets its own parameters (0 has no gates)."""

@@ -83,6 +83,37 @@ def test_save_and_restore_continue_the_stream_identically(docs, k, seed):
             np.testing.assert_array_equal(a[key], b[key])
 
 
+def test_a_position_that_does_not_fit_the_documents_is_refused_on_restore():
+    """A checkpoint's position in a corpus that has since lost documents once restored without a
+    word and failed at the next batch with an IndexError (train.py --resume: a traceback)."""
+    docs = [np.arange(n, dtype=np.int32) + 1 for n in (30, 12, 40, 25, 18, 33)]
+    it = data.segment_batches(docs, 2, 5, seed=1)
+    for _ in range(4):
+        next(it)
+    pos = json.loads(json.dumps(it.position()))
+    data.segment_batches(docs, 2, 5, seed=1).restore(pos)  # fits
+    last = max(r[0] for r in pos["rows"] if r)
+    with pytest.raises(ValueError, match="does not fit"):
+        data.segment_batches(docs[:max(last, 2)], 2, 5, seed=1).restore(pos)
+    bad = [dict(pos, rows=pos["rows"] + [None]), dict(pos, rows=[[0, -5], None]), dict(pos, rows=[[0, 1, 2], None]),
+           dict(pos, next_doc=7), dict(pos, epoch="1"), dict(pos, epoch=True), dict(pos, rows=[[0.5, 0], None])]
+    for p in bad:
+        with pytest.raises(ValueError, match="does not fit"):
+            data.segment_batches(docs, 2, 5, seed=1).restore(p)
+
+
+def test_a_fingerprint_changes_with_any_token_length_or_list_and_only_with_them():
+    train, valid = [np.arange(n, dtype=np.int32) for n in (9, 4, 7)], [np.arange(5, dtype=np.int32)]
+    key = data.fingerprint(train, valid)
+    assert data.fingerprint([t.copy().astype(np.int64) for t in train], list(valid)) == key  # values, not objects
+    edited = [t.copy() for t in train]
+    edited[1][2] += 1
+    assert data.fingerprint(edited, valid) != key
+    assert data.fingerprint([train[0][:5], train[0][5:]] + train[1:], valid) != key  # one document cut in two
+    assert data.fingerprint(train[:2], [train[2]] + valid) != key  # a document moved from train to valid
+    assert data.fingerprint(train + valid) != key
+
+
 def test_evaluation_pass_visits_each_document_once_then_stops():
     docs = [np.arange(n, dtype=np.int32) + 1 for n in (5, 30, 9)]
     batches = list(data.SegmentBatches(docs, 2, 4, epochs=1))

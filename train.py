@@ -342,12 +342,13 @@ def _flat(tree):
     return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def save_checkpoint(path, step, params, opt_state, state, data_position):
-    """Atomic (atomic_write): a kill during a save leaves the previous checkpoint loadable."""
+def save_checkpoint(path, step, params, opt_state, state, data_position, documents=None):
+    """Atomic (atomic_write): a kill during a save leaves the previous checkpoint loadable.
+    documents: the fingerprint of the documents data_position is a position in (data.fingerprint)."""
     arrays = {}
     for name, tree in (("params", params), ("opt", opt_state), ("state", state._asdict())):
         arrays.update({f"{name}{k}": v for k, v in _flat(tree).items()})
-    meta = json.dumps({"step": step, "data_position": data_position})
+    meta = json.dumps({"step": step, "data_position": data_position, "documents": documents})
     atomic_write(path, lambda f: np.savez(f, __meta__=np.frombuffer(meta.encode(), np.uint8), **arrays))
 
 
@@ -907,10 +908,11 @@ def run_config(args, given):
     return out, config, tokenizer
 
 
-def initial_state(config, args, out, stream):
+def initial_state(config, args, out, stream, documents):
     """(params, optimizer state, model state, step): fresh, or resumed from the checkpoint in
-    --out (the data stream is moved to where it stopped), or with --init-from's weights.
-    Reads, never writes."""
+    --out (the data stream is moved to where it stopped, in the same documents: `documents`,
+    their fingerprint, must be the checkpoint's), or with --init-from's weights. Reads, never
+    writes."""
     def fresh():
         params = mt.init_params(config, jax.random.PRNGKey(config.seed))
         return params, make_optimizer(config)[0](params)
@@ -926,10 +928,17 @@ def initial_state(config, args, out, stream):
         params = restore_tree(params, arrays, "params", path)
         opt_state = restore_tree(opt_state, arrays, "opt", path)
         state = mt.State(**restore_tree(state._asdict(), arrays, "state", path))
+        changed = (f"the corpus {args.data} is not the one the checkpoint in {out} was trained on (its documents "
+                   f"were added to, removed or edited since; for stdlib, another Python's library): --resume would "
+                   f"continue its rows in other documents. Restore the corpus, or fine-tune the run into a new "
+                   f"--out with --init-from")
+        if meta.get("documents") not in (None, documents):  # (a checkpoint from before fingerprints has none)
+            raise UsageError(changed + ".")
         try:
             stream.restore(meta["data_position"])
         except (KeyError, TypeError, ValueError, IndexError):
-            raise UsageError(f"checkpoint {path} is truncated or corrupt (its data position).") from None
+            raise UsageError(f"checkpoint {path} has a data position that does not fit the training documents: "
+                             f"it is truncated or corrupt, or {changed}.") from None
         if meta["step"] > config.steps:
             raise UsageError(f"the checkpoint in {out} is at step {meta['step']}, past --steps {config.steps}.")
         return params, opt_state, state, meta["step"]
@@ -1024,7 +1033,8 @@ def train(args, given):
     train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
     use_compilation_cache(args.cache_dir)  # before the first compile
     stream = data.segment_batches(train_tokens, config.batch_size, config.segment_length, config.seed)
-    params, opt_state, state, step = initial_state(config, args, out, stream)
+    documents = data.fingerprint(train_tokens, valid_tokens)
+    params, opt_state, state, step = initial_state(config, args, out, stream, documents)
     if args.init_from and step:  # fine-tuning: --steps more steps after the checkpoint's
         config = config.replace(steps=step + config.steps)
     if args.resume and step == config.steps and finished(out, step):
@@ -1060,7 +1070,7 @@ def train(args, given):
             if args.eval_every and step % args.eval_every == 0 and step < config.steps:
                 log.write(json.dumps(eval_record(step, params, config, valid_tokens, valid_distances, eval_step)) + "\n")
             if step % args.save_every == 0 or step == config.steps or stop["signal"]:
-                save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position())
+                save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position(), documents)
             if stop["signal"]:
                 print(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with "
                       f"--out {out} --resume", file=sys.stderr)
