@@ -7,6 +7,7 @@ byte-identical afterwards. Then one test per kind of failure the probes of the i
 and the interruptions (Ctrl-C, SIGTERM) at several moments of each command.
 """
 import csv
+import errno
 import json
 import os
 import shutil
@@ -571,6 +572,30 @@ def test_an_output_named_as_a_pipe_is_written_to_it_not_replaced(tmp_path, finis
     # Text ends in a newline, JSON too (a shell's prompt after `--json /dev/stdout` was on its last line).
     assert got["--json"].endswith("}\n") and got["--csv"].endswith("\n")
     assert all((finished_run / name).read_text().endswith("}\n") for name in ("config.json", "eval.json"))
+
+
+def test_a_full_disk_is_named_in_one_line_and_leaves_the_old_file(tmp_path, finished_run, capsys, monkeypatch):
+    """A write that fails for want of space names no file: the line was once `error: No space
+    left on device: None` (for a checkpoint that could not be saved, or --json /dev/full)."""
+    if os.path.exists("/dev/full"):  # a device that is always full: --json to it is written to, and fails
+        code, _, err = call("evaluate", ["perplexity", str(finished_run), "--eval-docs", "1", "--eval-tokens", "64",
+                                         "--json", "/dev/full"], capsys)
+        assert (code, err) == (2, "error: No space left on device: /dev/full\n")
+    target = tmp_path / "checkpoint.npz"
+    target.write_bytes(b"the previous checkpoint")
+
+    def full(f, content):
+        f.write(b"half of it")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(train, "_write_content", full)
+    assert train.run_command(lambda args: train.atomic_write(str(target), b"new"), None) == 2
+    assert capsys.readouterr().err == f"error: {os.strerror(errno.ENOSPC)}: {target}\n"
+    assert os.listdir(tmp_path) == ["checkpoint.npz"] and target.read_bytes() == b"the previous checkpoint"
+
+    def stdout_full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as print() to a full stdout does
+    assert train.run_command(stdout_full, None) == 2
+    assert capsys.readouterr().err == f"error: {os.strerror(errno.ENOSPC)}\n"
 
 
 def test_broken_run_directories_are_refused_in_one_sentence(tmp_path, finished_run, cache, capsys):

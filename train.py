@@ -251,7 +251,7 @@ def atomic_write(path, content):
     The file gets the permissions of any new file (the umask), not a temporary file's 0600."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with _naming(path), os.fdopen(fd, "wb") as f:
             _write_content(f, content)
             f.flush()
             os.fsync(f.fileno())
@@ -266,6 +266,16 @@ def json_text(obj):
     """The text of a JSON file we write: indented, and ending in a newline like any text file
     (`--json /dev/stdout` then leaves the shell's prompt on a line of its own)."""
     return json.dumps(obj, indent=2) + "\n"
+
+
+@contextlib.contextmanager
+def _naming(path):
+    """An OSError of a write names no file (a full disk: "No space left on device"); name path."""
+    try:
+        yield
+    except OSError as e:
+        e.filename = path if e.filename is None else e.filename
+        raise
 
 
 def _write_content(f, content):
@@ -288,7 +298,7 @@ def write_output(path, content):
     it: a rename would replace the pipe, or /dev/stdout itself, with a file."""
     if not is_stream(path):
         return atomic_write(path, content)
-    with open(path, "wb") as f:
+    with _naming(path), open(path, "wb") as f:
         _write_content(f, content)
 
 
@@ -534,8 +544,8 @@ def run_command(command, args):
         return 2
     except BrokenPipeError:  # stdout's reader stopped reading (`| head`): stop quietly, as shell tools do
         return _stdout_gone()
-    except OSError as e:  # a file the checks did not foresee: say which, and why
-        print(f"error: {e.strerror or e}: {e.filename}", file=sys.stderr)
+    except OSError as e:  # a file the checks did not foresee: say which (if the error knows), and why
+        print(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename is not None else ""), file=sys.stderr)
         return 2
     except (MemoryError, jax.errors.JaxRuntimeError) as e:
         if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
