@@ -421,6 +421,41 @@ def test_a_resume_on_a_changed_corpus_is_refused_and_on_a_touched_one_continues(
     assert snapshot(tmp_path) == before
 
 
+def test_a_run_that_another_train_is_writing_is_refused(tmp_path, finished_run, cache, capsys, monkeypatch):
+    """Two train.py on one --out (started twice, or resumed twice) once both wrote the same
+    checkpoint and metrics. A run directory is locked (flock) while a train.py writes it; a new
+    directory made by another train.py between our checks and our first write is refused too."""
+    fcntl = pytest.importorskip("fcntl")
+    run, empty = tmp_path / "run", tmp_path / "empty"
+    shutil.copytree(finished_run, run)
+    empty.mkdir()
+    held = [os.open(d, os.O_RDONLY) for d in (run, empty)]  # as the other train.py holds them
+    for fd in held:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    before = snapshot(tmp_path)
+    for argv in (["--out", str(run), "--resume", "--steps", "3"], FAST + ["--out", str(empty)]):
+        code, _, err = call("train", argv + ["--cache-dir", cache], capsys)
+        assert_refused(code, err, argv)
+        assert "is in use: another train.py is writing this run" in err
+    assert snapshot(tmp_path) == before
+    for fd in held:
+        os.close(fd)
+    code, out, err = call("train", ["--out", str(run), "--resume", "--cache-dir", cache], capsys)
+    assert code == 0 and "nothing to do" in out, err
+    raced = tmp_path / "raced"
+    real = train.prepare_data
+
+    def racing(*args):  # while our data loads, another train.py makes the directory and starts its run
+        result = real(*args)
+        raced.mkdir()
+        (raced / "config.json").write_text("{}")
+        return result
+    monkeypatch.setattr(train, "prepare_data", racing)
+    code, _, err = call("train", FAST + ["--out", str(raced), "--cache-dir", cache], capsys)
+    assert_refused(code, err, "raced")
+    assert "another train.py started meanwhile" in err and os.listdir(raced) == ["config.json"]
+
+
 # ----------------------------------------------------------------------------- one sentence, not a traceback
 def test_compare_with_a_memory_size_of_zero_and_a_memory_model(finished_run, tmp_path, capsys):
     """Issue 14.5: each memory size gets its own parameters (0 has no gates)."""

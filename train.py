@@ -964,6 +964,27 @@ def initial_state(config, args, out, stream, documents):
     return params, opt_state, state, 0
 
 
+def lock_run_dir(out, held):
+    """Hold an exclusive lock on the run directory until `held` (an ExitStack) closes: flock on
+    the directory itself, so no lock file. A second train.py on the same --out (a double start,
+    two resumes) is refused rather than writing the same files. False where the directory does
+    not exist yet, or the file system cannot lock."""
+    try:
+        import fcntl
+        fd = os.open(out, os.O_RDONLY)
+    except (ImportError, OSError):  # no flock (Windows), or no directory yet
+        return False
+    held.callback(os.close, fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"{out} is in use: another train.py is writing this run; wait for it to end, or choose "
+                         f"another --out.") from None
+    except OSError:  # a file system without locks
+        return False
+    return True
+
+
 def write_run_files(out, args, config, tok_path, step):
     """The first writes of a run, once every check has passed: the tokenizer beside the
     checkpoint, and config.json and an empty metrics.jsonl (or, on --resume, metrics.jsonl
@@ -1037,8 +1058,14 @@ def use_compilation_cache(cache_dir):
 def train(args, given):
     """Every check (flags, run directory, data, checkpoints, memory) comes before the first
     write: a refused command leaves every file as it was. given: the flags argv gave."""
+    with contextlib.ExitStack() as held:  # the run directory's lock
+        return _train(args, given, held)
+
+
+def _train(args, given, held):
     t_start = time.time()
     out, config, tokenizer = run_config(args, given)
+    locked = lock_run_dir(out, held)  # before the checkpoint is read: a resume elsewhere may be writing it
     ckpt_path = os.path.join(out, "checkpoint.npz")
     train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
     use_compilation_cache(args.cache_dir)  # before the first compile
@@ -1050,6 +1077,11 @@ def train(args, given):
     if args.resume and step == config.steps and finished(out, step):
         print(f"{out} finished at step {step} (eval.json): nothing to do; give --steps to train further.")
         return 0
+    if not locked:  # a new directory: made and locked now, and still without a run in it
+        os.makedirs(out, exist_ok=True)
+        lock_run_dir(out, held)
+    if not args.resume and any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES):
+        raise UsageError(f"{out} already holds a run, which another train.py started meanwhile; choose another --out.")
     write_run_files(out, args, config, tok_path, step)
     params, opt_state, state, place = distribute(params, opt_state, state)
     train_step, eval_step = make_train_step(step_config(config)), make_eval_step(step_config(config))
