@@ -554,6 +554,17 @@ def test_an_empty_path_is_refused_not_taken_as_unset_or_as_the_current_directory
     assert train.build_parser().parse_args([]).cache_dir == ".cache"
 
 
+def test_fewer_layers_than_the_presets_memory_layer_asks_for_memory_layers(tmp_path, cache, capsys):
+    """tiny's memory is in layer 2: `--num-layers 2` alone was refused with "memory layer index
+    2 is out of range for 2 layers", a flag the user never gave."""
+    for extra in ([], ["--memory-size", "0"]):  # (a run without memory keeps the layer for a later --memory-size)
+        argv = TINY_FAST + ["--num-layers", "2", "--out", str(tmp_path / "r"), "--cache-dir", cache] + extra
+        code, _, err = call("train", argv, capsys)
+        assert_refused(code, err, argv)
+        assert "the tiny preset's memory layer 2 is out of range for --num-layers 2; give --memory-layers too" in err
+    assert os.listdir(tmp_path) == []
+
+
 def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run, cache, capsys, monkeypatch):
     """Issue 14.6: a cache directory that is a file or cannot be written; benchmark --json naming a
     directory, refused before the benchmark runs; a failed benchmark row is one line."""

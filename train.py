@@ -677,6 +677,11 @@ def config_from_args(args, base=None):
     if args.memory_layers is not None:
         changes["memory_layers"] = memory_layers(args.memory_layers)
     base = base or mt.PRESETS[args.preset]
+    n = changes.get("num_layers", base.num_layers)
+    if "memory_layers" not in changes and any(layer >= n for layer in base.memory_layers):
+        raise UsageError(f"the {args.preset} preset's memory layer {max(base.memory_layers)} is out of range for "
+                         f"--num-layers {n}; give --memory-layers too, a 0-based index below {n} (the paper's is "
+                         f"near the top: 8 of 12).")
     try:
         return base.replace(**changes)
     except ValueError as e:
