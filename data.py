@@ -147,7 +147,7 @@ def _walk_unit(root, rel, rng, stats, suffixes):
     thousand directories deep): each directory on it is (its name, its entries still to
     visit, its files, its subdirectories' walks)."""
     def enter(rel):
-        entries = [e for e in _listdir(os.path.join(root, rel), stats) if not e.startswith(".") and e != "__pycache__"]
+        entries = [e for e in _listdir(os.path.join(root, rel), stats) if not _skipped(e)]
         rng.shuffle(entries)
         return rel, iter(entries), [], []
 
@@ -193,7 +193,7 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
     docs, loose = [], []
     for e in _listdir(path, stats):
         full = os.path.join(path, e)
-        if e.startswith(".") or e == "__pycache__":
+        if _skipped(e):
             continue
         if os.path.isdir(full) and not os.path.islink(full):
             files = _walk_unit(path, e, random.Random(f"{seed}/{e}"), stats, suffixes)
@@ -237,11 +237,25 @@ def _walk(top, onerror=None):
         stack.extend(p for p in (os.path.join(root, d) for d in reversed(dirs)) if not os.path.islink(p))
 
 
+def _skipped(name):
+    """A file or directory that no corpus reads: hidden (.git, .venv, a .cache of ours inside
+    the corpus) or __pycache__."""
+    return name.startswith(".") or name == "__pycache__"
+
+
+def _corpus_walk(top, onerror=None):
+    """_walk below a corpus directory, without what _skipped names: what every reader, the
+    format's detection and the cache key see."""
+    for root, dirs, files in _walk(top, onerror):
+        dirs[:] = [d for d in dirs if not _skipped(d)]  # (the same list _walk goes on with)
+        yield root, dirs, [f for f in files if not _skipped(f)]
+
+
 def read_text_dir(path, stats=None):
     """The PG-19 layout: every .txt file below path is one document."""
     stats = stats if stats is not None else _new_stats()
     docs = []
-    for root, dirs, files in _walk(path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)):
+    for root, dirs, files in _corpus_walk(path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)):
         dirs.sort()
         for f in sorted(files):
             if f.endswith(".txt"):
@@ -257,7 +271,7 @@ def read_jsonl(path, stats=None):
     """The C4 / arXiv layout: one JSON object per line with a `text` field (.jsonl files)."""
     stats = stats if stats is not None else _new_stats()
     paths = [path] if os.path.isfile(path) else [
-        os.path.join(r, f) for r, _, fs in sorted(_walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
+        os.path.join(r, f) for r, _, fs in sorted(_corpus_walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
     docs = []
     for p in paths:
         raw = _read_bytes(p, stats)
@@ -292,7 +306,7 @@ def read_stdlib(seed=0, stats=None, group=25):
     docs, loose = [], []
     for e in sorted(os.listdir(root)):
         full = os.path.join(root, e)
-        if e in ("site-packages", "__pycache__") or e.startswith("."):
+        if e == "site-packages" or _skipped(e):
             continue
         if os.path.isdir(full) and os.path.exists(os.path.join(full, "__init__.py")):
             files = _walk_unit(root, e, random.Random(f"{seed}/{e}"), stats, (".py",))
@@ -409,6 +423,17 @@ def synthetic_long_documents(num_docs, distance, seed=0, num_names=16):
     return docs
 
 
+def inside_corpus(path, source):
+    """Whether path (a file or directory, existing or not) lies in the corpus directory `source`
+    where a reader would see it: below it, and not under a name _skipped hides."""
+    root = stdlib_path() if source == "stdlib" else source
+    if is_synthetic(source) or not os.path.isdir(root):
+        return False
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    parts = rel.split(os.sep)
+    return rel == os.curdir or (parts[0] != os.pardir and not any(map(_skipped, parts)))
+
+
 def is_synthetic(source):
     """`--data synthetic` or `synthetic:N`: generated, not read from a path."""
     return source == "synthetic" or source.startswith("synthetic:")
@@ -444,7 +469,7 @@ def _new_stats():
 def detect_format(path):
     if os.path.isfile(path):
         return "jsonl" if path.endswith(".jsonl") else "text"
-    names = [f for _, _, fs in _walk(path) for f in fs]
+    names = [f for _, _, fs in _corpus_walk(path) for f in fs]
     if any(n.endswith(".jsonl") for n in names):
         return "jsonl"
     if names and all(n.endswith(".txt") for n in names):
@@ -563,23 +588,32 @@ def load_tokenizer(path):
 
 
 def corpus_key(source, fmt, seed, docs=None, suffixes=None):
-    """A name for a corpus that changes when its files do (paths, sizes, mtimes), or, for
-    generated (synthetic) documents, when their text does, and with the suffixes read."""
+    """A name for a corpus that changes when its files do (paths, sizes, mtimes; the files the
+    readers see: not hidden ones, __pycache__ or, for stdlib, site-packages), or, for generated
+    (synthetic) documents, when their text does, and with the suffixes read."""
     h = hashlib.sha256(f"{source}|{fmt}|{seed}|{sys.version}".encode("utf-8", "surrogateescape"))
     if suffixes:
         h.update(repr(tuple(suffixes)).encode())
     for d in docs if is_synthetic(source) and docs else ():
         h.update(d.text.encode())
-    root = stdlib_path() if source == "stdlib" else source
-    if not is_synthetic(source) and os.path.exists(root):
-        for r, dirs, files in _walk(root):
+
+    def stamp(path):
+        try:
+            st = os.stat(path)
+            h.update(os.fsencode(path) + f":{st.st_size}:{st.st_mtime_ns}".encode())
+        except OSError:
+            pass
+
+    root = None if is_synthetic(source) else stdlib_path() if source == "stdlib" else source
+    if root and os.path.isfile(root):  # one .jsonl file (its documents once kept the first version's tokens)
+        stamp(root)
+    elif root and os.path.isdir(root):
+        for r, dirs, files in _corpus_walk(root):
+            if source == "stdlib" and r == root and "site-packages" in dirs:  # read_stdlib skips what pip installs
+                dirs.remove("site-packages")
             dirs.sort()
             for f in sorted(files):
-                try:
-                    st = os.stat(os.path.join(r, f))
-                    h.update(os.fsencode(os.path.join(r, f)) + f":{st.st_size}:{st.st_mtime_ns}".encode())
-                except OSError:
-                    pass
+                stamp(os.path.join(r, f))
     return h.hexdigest()[:16]
 
 

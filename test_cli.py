@@ -565,6 +565,24 @@ def test_fewer_layers_than_the_presets_memory_layer_asks_for_memory_layers(tmp_p
     assert os.listdir(tmp_path) == []
 
 
+def test_a_run_or_cache_inside_its_own_corpus_is_refused(tmp_path, cache, capsys, monkeypatch):
+    """`cd corpus && train.py --data .` put the run in ./runs/<timestamp>, inside the corpus: its
+    metrics.jsonl then made the next run, or its own --resume, read the corpus as JSONL ("no
+    readable document")."""
+    corpus = tmp_path / "corpus"
+    for i in range(8):
+        (corpus / f"p{i}").mkdir(parents=True)
+        (corpus / f"p{i}" / "m.py").write_text(f"x = {i}\n" * 50)
+    monkeypatch.chdir(corpus)
+    before = snapshot(tmp_path)
+    for extra in ([], ["--out", "."], ["--out", str(tmp_path / "r"), "--cache-dir", "cache"]):
+        argv = FAST + ["--data", ".", "--cache-dir", cache] + extra
+        code, _, err = call("train", argv, capsys)
+        assert_refused(code, err, extra)
+        assert "is inside the corpus --data .: what the run writes there would be read as part of its own corpus" in err
+    assert snapshot(tmp_path) == before
+
+
 def test_unusable_paths_are_refused_before_anything_runs(tmp_path, finished_run, cache, capsys, monkeypatch):
     """Issue 14.6: a cache directory that is a file or cannot be written; benchmark --json naming a
     directory, refused before the benchmark runs; a failed benchmark row is one line."""

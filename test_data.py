@@ -209,6 +209,51 @@ def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
     assert doc.id == os.path.join("r", *["a"] * 1200, "book.txt") and doc.text == "a book\n"
 
 
+def test_the_cache_key_follows_a_one_file_corpus_and_ignores_what_no_reader_reads(tmp_path, monkeypatch):
+    """A corpus of one .jsonl file kept its first key whatever the file became, so an edited or
+    replaced file was trained on as its old tokens. Hidden files and __pycache__ (a .cache of
+    ours inside `--data .`, the .pyc files Python writes into the standard library) and the
+    standard library's site-packages changed the key without changing a document."""
+    one = tmp_path / "one.jsonl"
+    write(str(one), '{"text": "a"}\n')
+    key = data.corpus_key(str(one), "auto", 0)
+    write(str(one), '{"text": "another text"}\n{"text": "b"}\n')
+    os.utime(one, (1e9, 1e9))
+    assert data.corpus_key(str(one), "auto", 0) != key
+    corpus = tmp_path / "c"
+    for name in ("a.txt", "sub/b.txt", ".hidden.txt", ".git/c.txt", "__pycache__/d.txt", "sub/.e/f.jsonl"):
+        write(str(corpus / name), f"the text of {name}\n")
+    assert data.detect_format(str(corpus)) == "text"  # (a hidden .jsonl once made it a JSONL corpus)
+    assert sorted(d.id for d in data.load_documents(str(corpus), "text", verbose=False)) == ["a.txt", "sub/b.txt"]
+    key = data.corpus_key(str(corpus), "text", 0)
+    for name in (".hidden.txt", ".git/c.txt", "__pycache__/d.txt", ".cache/jax/x", "__pycache__/y.pyc"):
+        write(str(corpus / name), "changed\n")
+    assert data.corpus_key(str(corpus), "text", 0) == key
+    write(str(corpus / "sub/b.txt"), "changed\n")
+    assert data.corpus_key(str(corpus), "text", 0) != key
+    lib = tmp_path / "lib"
+    write(str(lib / "m.py"), "x = 1\n")
+    monkeypatch.setattr(data, "stdlib_path", lambda: str(lib))
+    key = data.corpus_key("stdlib", "auto", 0)
+    write(str(lib / "site-packages" / "pkg" / "p.py"), "y = 2\n")  # pip install
+    assert data.corpus_key("stdlib", "auto", 0) == key
+    write(str(lib / "m.py"), "x = 2\n")
+    os.utime(lib / "m.py", (1e9, 1e9))
+    assert data.corpus_key("stdlib", "auto", 0) != key
+
+
+def test_inside_corpus_is_where_a_reader_would_see_a_path(tmp_path):
+    corpus = tmp_path / "c"
+    (corpus / "sub").mkdir(parents=True)
+    os.symlink(corpus / "sub", tmp_path / "link")
+    inside = [corpus, corpus / "runs" / "x", corpus / "sub", tmp_path / "link" / "run"]
+    outside = [tmp_path, tmp_path / "runs", corpus / ".runs" / "x", corpus / "sub" / ".cache", corpus / "__pycache__"]
+    assert [data.inside_corpus(str(p), str(corpus)) for p in inside] == [True] * len(inside)
+    assert [data.inside_corpus(str(p), str(corpus)) for p in outside] == [False] * len(outside)
+    assert not data.inside_corpus(str(corpus / "x"), "synthetic:40")
+    assert not data.inside_corpus(str(corpus / "x"), str(corpus / "sub" / "missing.jsonl"))
+
+
 def test_a_named_pipe_in_a_corpus_is_skipped_and_counted_not_waited_on(tmp_path):
     """A FIFO named like a corpus file (a.txt, a.jsonl, a.py): its read once blocked until
     something wrote to it, that is, forever (and a repository's walk passed it over without

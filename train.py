@@ -915,6 +915,11 @@ def run_config(args, given):
             if args.tokenizer and os.path.realpath(args.tokenizer) != os.path.realpath(tokenizer):
                 raise UsageError(f"--init-from {args.init_from} keeps its run's tokenizer, whose ids its weights "
                                  f"read; drop --tokenizer {args.tokenizer}.")
+    for path, flag in ((out, "--out"), (args.cache_dir, "--cache-dir")):
+        if data.inside_corpus(path, args.data):
+            raise UsageError(f"{flag} {path} is inside the corpus --data {args.data}: what the run writes there "
+                             f"would be read as part of its own corpus; choose a {flag} outside it, or a hidden one "
+                             f"(a name starting with '.', which no corpus reads).")
     check_writable_dir(out, "--out")
     if config.batch_size % (jax.device_count() * config.grad_accum):
         raise UsageError(f"batch_size {config.batch_size} must be divisible by {jax.device_count()} devices x "
