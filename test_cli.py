@@ -928,3 +928,30 @@ def test_a_path_that_is_not_utf8_is_printed_as_its_bytes_under_any_utf8_locale()
     proc = subprocess.run([sys.executable, "-c", child, b"/tmp/r\xff"], cwd=HERE, env=env, capture_output=True,
                           timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"run /tmp/r\xff\n", b"")
+
+
+def test_a_backend_that_cannot_start_is_one_line_before_anything_is_written(tmp_path):
+    """JAX_PLATFORMS naming a backend this machine lacks (a GPU command copied to a CPU machine:
+    cuda there was a bare AssertionError from inside JAX) ended train.py in a traceback."""
+    env = {**os.environ, "JAX_PLATFORMS": "bogus"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--steps", "1", "--out", str(tmp_path / "r"),
+                           "--cache-dir", str(tmp_path / "cache")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: JAX could not start its backend (JAX_PLATFORMS='bogus'):")
+    assert not (tmp_path / "r").exists()
+
+
+def test_out_of_device_memory_is_one_line_and_other_runtime_errors_are_not_hidden(capsys):
+    def raising(error):
+        def command(args):
+            raise error
+        return command
+    import jax
+    for error in (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes"), MemoryError()):
+        assert train.run_command(raising(error), None) == 2
+        assert capsys.readouterr().err == ("error: the device ran out of memory; lower --batch-size, "
+                                           "--segment-length or --memory-size.\n")
+    for error in (jax.errors.JaxRuntimeError("INTERNAL: a bug"), RuntimeError("a bug"), AssertionError("a bug")):
+        with pytest.raises(type(error), match="a bug"):  # a bug of ours stays a traceback
+            train.run_command(raising(error), None)

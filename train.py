@@ -27,6 +27,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -532,6 +533,13 @@ def fraction(text):
     return value
 
 
+def _backend_failed(e):
+    """Whether e was raised where JAX starts its backend (a JAX_PLATFORMS naming one that cannot
+    start, e.g. cuda on a machine without it: a RuntimeError, or in jax 0.10 a bare assert)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return any(f.filename.endswith(os.path.join("jax", "_src", "xla_bridge.py")) for f in frames[-3:])
+
+
 def run_command(command, args):
     """Run a subcommand the way every script here does: bad input (flags, files, data) is one
     sentence on stderr and exit code 2; Ctrl-C or SIGTERM is one line and exit code 130 (the
@@ -547,11 +555,16 @@ def run_command(command, args):
     except OSError as e:  # a file the checks did not foresee: say which (if the error knows), and why
         print(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename is not None else ""), file=sys.stderr)
         return 2
-    except (MemoryError, jax.errors.JaxRuntimeError) as e:
-        if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+    except (MemoryError, RuntimeError, AssertionError) as e:  # (jax.errors.JaxRuntimeError is a RuntimeError)
+        if isinstance(e, MemoryError) or (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)):
+            print("error: the device ran out of memory; lower --batch-size, --segment-length or --memory-size.",
+                  file=sys.stderr)
+        elif _backend_failed(e):
+            print(f"error: JAX could not start its backend (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): "
+                  f"{' '.join(str(e).split()) or 'no backend'}; unset JAX_PLATFORMS to let JAX choose one, or see "
+                  f"the README's GPU install.", file=sys.stderr)
+        else:
             raise
-        print("error: the device ran out of memory; lower --batch-size, --segment-length or --memory-size.",
-              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; no file was left half-written.", file=sys.stderr)
