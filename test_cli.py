@@ -550,8 +550,13 @@ def test_an_empty_path_is_refused_not_taken_as_unset_or_as_the_current_directory
     assert_refused(code, err, argv)
     assert f"argument {flag}: needs a path, got an empty string" in err, err
     assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
-    monkeypatch.setenv("MT_CACHE", "")  # an empty $MT_CACHE is unset too: the cache stays .cache
+
+
+def test_an_empty_mt_cache_is_unset(monkeypatch):
+    monkeypatch.setenv("MT_CACHE", "")  # the default --cache-dir stays .cache (an empty one is refused)
     assert train.build_parser().parse_args([]).cache_dir == ".cache"
+    monkeypatch.setenv("MT_CACHE", "/some/cache")
+    assert train.build_parser().parse_args([]).cache_dir == "/some/cache"
 
 
 def test_fewer_layers_than_the_presets_memory_layer_asks_for_memory_layers(tmp_path, cache, capsys):

@@ -895,6 +895,11 @@ def check_resume_flags(args, saved, out, given):
                          f"--out with --init-from.")
 
 
+def holds_run(out):
+    """Whether the directory out holds (a part of) a run: any of its files."""
+    return os.path.isdir(out) and any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES)
+
+
 def run_config(args, given):
     """Check the flags and the run directory; return the run's output directory, config and
     tokenizer (None: train one). Reads, never writes. given: the flags the command line gave."""
@@ -917,7 +922,7 @@ def run_config(args, given):
         check_run_data_here(args.data)
         tokenizer = os.path.join(out, "tokenizer.model")
     else:
-        if os.path.isdir(out) and any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES):
+        if holds_run(out):
             raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out.")
         config = config_from_args(args)
         tokenizer = args.tokenizer
@@ -1103,7 +1108,7 @@ def _train(args, given, held):
     if not locked:  # a new directory: made and locked now, and still without a run in it
         os.makedirs(out, exist_ok=True)
         lock_run_dir(out, held)
-    if not args.resume and any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES):
+    if not args.resume and holds_run(out):
         raise UsageError(f"{out} already holds a run, which another train.py started meanwhile; choose another --out.")
     write_run_files(out, args, config, tok_path, step)
     params, opt_state, state, place = distribute(params, opt_state, state)
