@@ -967,9 +967,9 @@ def initial_state(config, args, out, stream, documents):
         opt_state = restore_tree(opt_state, arrays, "opt", path)
         state = mt.State(**restore_tree(state._asdict(), arrays, "state", path))
         changed = (f"the corpus {args.data} is not the one the checkpoint in {out} was trained on (its documents "
-                   f"were added to, removed or edited since; for stdlib, another Python's library): --resume would "
-                   f"continue its rows in other documents. Restore the corpus, or fine-tune the run into a new "
-                   f"--out with --init-from")
+                   f"were added to, removed or edited since, or the run's tokenizer.model was replaced; for stdlib, "
+                   f"another Python's library): --resume would continue its rows in other documents. Restore the "
+                   f"corpus, or fine-tune the run into a new --out with --init-from")
         if meta.get("documents") not in (None, documents):  # (a checkpoint from before fingerprints has none)
             raise UsageError(changed + ".")
         try:
