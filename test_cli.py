@@ -106,7 +106,8 @@ def train_faults():
         ["--data-format", "bogus"], ["--suffixes", ".py"], ["--suffixes", ",,"], ["--preset", "nope"],
         ["--tokenizer", "/no/such.model"], ["--resume"], ["--init-from", "/no/such/run"],
         ["--vocab-size", "10"], ["--grad-accum", "3"], ["--d-model", "100"], ["--dtype", "float16"],
-        ["--no-such-flag"], ["--min-doc-tokens", "100000"], ["--eval-every", "-1"],
+        ["--no-such-flag"], ["--min-doc-tokens", "100000"], ["--eval-every", "-1"], ["--tokenizer", ""],
+        ["--init-from", ""], ["--cache-dir", ""], ["--data", ""], ["--out", ""],
     ]
     workspace = [
         lambda ws: ["--out", str(ws / "run")],  # an existing run, without --resume
@@ -178,7 +179,7 @@ def evaluate_faults(command):
     """Flag faults of an evaluate.py subcommand on the copied run."""
     plain = {
         "perplexity": [["--memory-size", "100"], ["--memory-size", "-1"], ["--eval-docs", "0"],
-                       ["--eval-tokens", "x"], ["--data-format", "bogus"], ["--data", "/no/such"]],
+                       ["--eval-tokens", "x"], ["--data-format", "bogus"], ["--data", "/no/such"], ["--json", ""]],
         "compare": [["--memory-sizes", "64"], ["--memory-sizes", "a,b"], ["--memory-sizes", "1,2,3"],
                     ["--memory-sizes", "100,0"], ["--doc", "99"], ["--doc", "-1"], ["--max-tokens", "-1"]],
         "inspect": [["--doc", "99"], ["--top", "0"], ["--max-tokens", "-5"], ["--data", "/no/such"]],
@@ -217,7 +218,7 @@ def benchmark_faults():
              ["--steps", "0"], ["--batch-size", "-1"], ["--preset", "nope"], ["--dtype", "float16"],
              ["--memory-sizes", "0,17179869184"], ["--search", "--train-only"], ["--search", "--memory-sizes", "0"],
              ["--rounds", "-2"], ["--search", "--rounds", "2"], ["--compile-jobs", "-1"],
-             ["--search", "--compile-jobs", "3"]]
+             ["--search", "--compile-jobs", "3"], ["--json", ""], ["--profile", ""]]
     workspace = [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "x.json")],
                  lambda ws: ["--profile", str(ws / "afile")]]
     return st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace)
