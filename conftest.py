@@ -37,6 +37,8 @@
    the session's: their programs are their own, and two processes writing one cache could
    read each other's half-written entries. On a GPU, no process of the session preallocates
    75% of the GPU's memory (JAX's default), since several run at once.
+7. Two fixtures of the command-line tests (test_cli.py, test_interrupts.py, test_sample.py),
+   made once per session: `cache` and `finished_run`.
 """
 import concurrent.futures
 import os
@@ -62,6 +64,23 @@ import train  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first
 train.keep_freed_host_memory()  # as every script does: a step's temporaries are reused, not faulted in anew
+
+
+# ----------------------------------------------------------------------------- shared fixtures (7.)
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """The tokenizer, token and compilation cache of the command-line tests' runs."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, cache):
+    """A finished memory run of test_train.FAST (2 steps), the template the command-line tests
+    copy before they break it; none changes it."""
+    from test_train import FAST  # (a test module: imported once the session runs, not with conftest)
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert train.main(FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]) == 0
+    return out
 
 
 # ----------------------------------------------------------------------------- early jobs (6.)

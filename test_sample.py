@@ -5,8 +5,7 @@ import pytest
 import jax
 import memorizing_transformer as mt
 import sample
-import train
-from test_cli import assert_refused, call, finished_run, cache  # noqa: F401  (fixtures)
+from test_cli import assert_refused, call
 
 # A toy model whose memory (M = 2T) fills and wraps many times over a prompt of 5T tokens.
 TOY = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=64, segment_length=8,
@@ -57,7 +56,7 @@ def test_top_k_and_vocab_restrict_the_draw():
     assert sample.next_token(logits, 0, None, rng) == 4
 
 
-def test_the_command_line_continues_a_prompt_and_refuses_bad_input(finished_run, tmp_path, capsys):  # noqa: F811
+def test_the_command_line_continues_a_prompt_and_refuses_bad_input(finished_run, tmp_path, capsys):
     code, out, err = call("sample", [str(finished_run), "--prompt", "KALO FIBE\n", "--tokens", "40",
                                      "--temperature", "0"], capsys)
     assert code == 0, err

@@ -1,0 +1,214 @@
+"""The commands interrupted, and failing as processes (issue 14): Ctrl-C and SIGTERM at several
+moments of each command, with no child process left behind; a reader of stdout that stops
+reading; a path that is not UTF-8 under a strict locale; a JAX backend that cannot start;
+a device out of memory. (Split from test_cli.py, whose bad-input tests these complement.)
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import train
+from conftest import early, job_env
+from test_train import FAST, HERE, ending
+
+
+def launch(script, argv, env=None):
+    return subprocess.Popen([sys.executable, script] + argv, cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_line(proc, prefix):
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"no line {prefix!r}: {proc.stderr.read()}")
+
+
+def assert_interrupted(code, err):
+    assert code == 130 and err.count("\n") == 1 and "Traceback" not in err and "interrupted" in err, (code, err)
+    return err
+
+
+def wait_until_jax_loads(proc, timeout=120):
+    """Until the child has mapped jaxlib's library (Linux: /proc/PID/maps), i.e. the script runs
+    and is importing JAX. A signal before the script's first line is Python's own: on a loaded
+    machine its startup (site imports) can take longer than a fixed sleep, and an interrupt
+    there exits 1 with a traceback (seen on a GPU machine under pytest-xdist)."""
+    maps, deadline = f"/proc/{proc.pid}/maps", time.time() + timeout
+    while os.path.exists(maps) and time.time() < deadline and proc.poll() is None:
+        with open(maps) as f:
+            if "jaxlib" in f.read():
+                return
+        time.sleep(0.01)
+
+
+@early
+def interrupted_train_runs(tmp):
+    """Ctrl-C (SIGINT) to train.py 0.2 s and 2 s after it starts to load JAX, and 0.5 s after its
+    last step; then the last run resumed: each interrupted process's ending, what the last one
+    left (whether an eval.json, its checkpoint's step), the resumed process and the run's directory."""
+    endings, cache = [], str(tmp / "cache")
+    for delay in (0.2, 2.0):
+        proc = launch("train.py", FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache], job_env())
+        wait_until_jax_loads(proc)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        endings.append(ending(proc))
+    proc = launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", cache, "--steps", "2", "--valid-fraction",
+                                      "0.5", "--eval-docs", "20", "--eval-tokens", "2000"], job_env())
+    wait_for_line(proc, "step      2")
+    time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
+    proc.send_signal(signal.SIGINT)
+    endings.append(ending(proc))
+    run = tmp / "run"
+    left = {"eval.json": (run / "eval.json").exists(), "step": train.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"]}
+    resumed = subprocess.run([sys.executable, "train.py", "--out", str(run), "--resume", "--cache-dir", cache], cwd=HERE,
+                             capture_output=True, text=True, env=job_env())
+    return endings, left, resumed, run
+
+
+def test_ctrl_c_while_starting_and_during_the_final_evaluation(interrupted_train_runs):
+    """Issue 14.9: before anything is written (JAX importing, data loading), and during the final
+    evaluation (which once crashed with a segmentation fault): one line, exit 130, the
+    checkpoint kept, and --resume then evaluates it."""
+    (*starting, evaluating), left, resumed, run = interrupted_train_runs
+    for code, err in starting:
+        assert_interrupted(code, err)
+    assert "final evaluation" in assert_interrupted(*evaluating)
+    assert left == {"eval.json": False, "step": 2}
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run / "eval.json").read_text())["step"] == 2
+
+
+def children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return f.read().split()
+    except FileNotFoundError:  # it has ended
+        return []
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except FileNotFoundError:  # it has ended
+        return ""
+
+
+def running(pid):
+    """Whether the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):
+    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it."""
+    proc = launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0",
+                                  "--csv", str(tmp_path / "c.csv")])
+    wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
+    proc.send_signal(signal.SIGTERM)
+    assert_interrupted(*ending(proc))
+    assert not (tmp_path / "c.csv").exists()
+    proc = launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
+    for _ in range(200):
+        kids = children(proc.pid)
+        if kids:
+            break
+        time.sleep(0.05)
+    assert kids, "benchmark.py started no row process"
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    assert_interrupted(*ending(proc))
+    time.sleep(0.5)
+    assert not any(running(k) for k in kids), "a row process outlived benchmark.py"
+
+
+@early
+def peer_benchmark_stopped(tmp):
+    """SIGTERM to peer_benchmark.py once its benchmark.py child has started its row process:
+    (its exit code, its stderr, the pids of that child and grandchild, which of them still run
+    half a second later)."""
+    proc = launch("peer_benchmark.py", ["--memory-sizes", "0", "--steps", "1000", "--peer-python", sys.executable],
+                  job_env())  # this Python has no torch: the peer is skipped, and our rows run
+    found, deadline = [], time.time() + 120
+    while len(found) < 2 and time.time() < deadline and proc.poll() is None:
+        kids = [k for k in children(proc.pid) if "benchmark.py" in cmdline(k)]
+        found = kids[:1] + (children(kids[0])[:1] if kids else [])
+        time.sleep(0.05)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    code, err = ending(proc)
+    time.sleep(0.5)
+    return code, err, found, [k for k in found if running(k)]
+
+
+def test_sigterm_stops_peer_benchmark_and_its_benchmark_and_row_processes(peer_benchmark_stopped):
+    code, err, found, left = peer_benchmark_stopped
+    assert len(found) == 2, ("benchmark.py and its row process never both ran", err)
+    assert_interrupted(code, err)
+    assert not left, "a process outlived peer_benchmark.py"
+
+
+@pytest.mark.parametrize("size, code, expected", [(10 ** 6, 0, 141), (1, 0, 141), (1, 2, 2)],
+                         ids=["while-running", "at-exit", "failure-at-exit"])
+def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size, code, expected):
+    """`python evaluate.py compare ... | head -1`: once the reader is gone, the next write to stdout
+    (during the command, or the last flush at exit) ends the process with SIGPIPE's code, 141, and
+    nothing on stderr (it was once 'error: Broken pipe: None', exit 2); a command that failed
+    keeps its own code. stdout is block-buffered here, as in a shell pipe, so a short line waits
+    for the flush at exit."""
+    child = f"import train; train.exit_with(train.run_command(lambda args: print('x' * {size}) or {code}, None))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == expected
+    assert proc.stderr.read() == ""
+
+
+def test_a_path_that_is_not_utf8_is_printed_as_its_bytes_under_any_utf8_locale():
+    """A directory named with the byte 0xff: under a UTF-8 locale other than C (stdout's errors
+    'strict', here forced by PYTHONIOENCODING) printing it once failed midway through a run,
+    after its first files were written."""
+    child = ("import argparse, train; p = argparse.ArgumentParser(); p.add_argument('out'); "
+             "train.exit_with(train.run_main(p, lambda args: print('run', args.out) or 0, None))")
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    proc = subprocess.run([sys.executable, "-c", child, b"/tmp/r\xff"], cwd=HERE, env=env, capture_output=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"run /tmp/r\xff\n", b"")
+
+
+def test_a_backend_that_cannot_start_is_one_line_before_anything_is_written(tmp_path):
+    """JAX_PLATFORMS naming a backend this machine lacks (a GPU command copied to a CPU machine:
+    cuda there was a bare AssertionError from inside JAX) ended train.py in a traceback."""
+    env = {**os.environ, "JAX_PLATFORMS": "bogus"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--steps", "1", "--out", str(tmp_path / "r"),
+                           "--cache-dir", str(tmp_path / "cache")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: JAX could not start its backend (JAX_PLATFORMS='bogus'):")
+    assert not (tmp_path / "r").exists()
+
+
+def test_out_of_device_memory_is_one_line_and_other_runtime_errors_are_not_hidden(capsys):
+    def raising(error):
+        def command(args):
+            raise error
+        return command
+    import jax
+    for error in (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes"), MemoryError()):
+        assert train.run_command(raising(error), None) == 2
+        assert capsys.readouterr().err == ("error: the device ran out of memory; lower --batch-size, "
+                                           "--segment-length or --memory-size.\n")
+    for error in (jax.errors.JaxRuntimeError("INTERNAL: a bug"), RuntimeError("a bug"), AssertionError("a bug")):
+        with pytest.raises(type(error), match="a bug"):  # a bug of ours stays a traceback
+            train.run_command(raising(error), None)
