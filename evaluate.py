@@ -48,7 +48,8 @@ class UsageError(train.UsageError):
 # ----------------------------------------------------------------------------- loading a run
 def load_run(run_dir, memory_size=None):
     """(config, params, tokenizer, saved args) of a run; memory_size overrides the config's
-    (Sec. 4.4: a model trained with a small memory evaluated with a larger one)."""
+    (Sec. 4.4: a model trained with a small memory evaluated with a larger one). The args
+    carry the checkpoint's fingerprints of its documents as "documents" (None if it has none)."""
     saved = train.read_run_config(run_dir)
     config = saved["config"]
     if memory_size is not None:
@@ -62,7 +63,7 @@ def load_run(run_dir, memory_size=None):
         raise UsageError(f"{run_dir}/tokenizer.model has {sp.get_piece_size()} pieces, more than the run's "
                          f"vocab_size {config.vocab_size}: it is not the run's tokenizer.")
     ckpt = os.path.join(run_dir, "checkpoint.npz")
-    _, arrays = train.load_checkpoint(ckpt)
+    meta, arrays = train.load_checkpoint(ckpt)
     # A run trained without memory, evaluated with one, gets fresh gates (g = 0.5): only then
     # are parameters initialized; otherwise their shapes are the template (no compile, no work).
     fresh_gates = bool(config.active_memory_layers) and not any("gate_bias" in k for k in arrays)
@@ -71,7 +72,7 @@ def load_run(run_dir, memory_size=None):
         train.check_same_model(jax.eval_shape(init), arrays, ckpt)
     params = train.restore_tree(init() if fresh_gates else jax.eval_shape(init), arrays, "params", ckpt,
                                 strict=not fresh_gates)
-    return config, params, sp, saved["args"]
+    return config, params, sp, dict(saved["args"], documents=meta.get("documents"))
 
 
 def validation_docs(args, run_args, sp, config):
@@ -92,6 +93,11 @@ def validation_docs(args, run_args, sp, config):
         raise UsageError(f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}.")
     for t, _ in kept:
         mt.check_tokens(t, config.vocab_size)
+    known = (run_args.get("documents") or {}).get("validation") if own and fmt == run_args["data_format"] else None
+    if known and data.fingerprint([t for t, _ in kept]) != known:
+        print(f"note: the validation documents of {source} are not those of the run's checkpoint (the corpus, or "
+              f"the run's tokenizer, changed since): these numbers are for the documents as they are now.",
+              file=sys.stderr)
     return [t for t, _ in kept], [r for _, r in kept]
 
 

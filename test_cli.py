@@ -310,7 +310,7 @@ def test_the_token_cache_follows_the_validation_split(tmp_path):
     """Issue 14.1: a cache built with one --valid-fraction is not reused for another."""
     def split(fraction, cache):
         args = train.build_parser().parse_args(FAST + ["--valid-fraction", fraction, "--cache-dir", str(cache)])
-        tokens, valid, _, _ = train.prepare_data(train.config_from_args(args), args)
+        tokens, valid, _, _, _ = train.prepare_data(train.config_from_args(args), args)
         return tokens, valid
 
     shared = tmp_path / "shared"
@@ -369,7 +369,8 @@ def test_a_resume_on_a_changed_corpus_is_refused_and_on_a_touched_one_continues(
     """A --resume reads the corpus again. One that had lost documents since the checkpoint ended
     in an IndexError traceback; one whose documents were edited was trained on without a word,
     each row continuing mid-way into another document with the memory of the old one. The
-    checkpoint now keeps a fingerprint of its documents' tokens: file times do not count."""
+    checkpoint now keeps a fingerprint of its documents' tokens: file times do not count.
+    evaluate.py, on the run's own corpus, notes validation documents that changed."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i, doc in enumerate(data.load_documents("synthetic:40", verbose=False)):  # FAST's documents, as files
@@ -389,6 +390,13 @@ def test_a_resume_on_a_changed_corpus_is_refused_and_on_a_touched_one_continues(
         os.utime(f, (later, later))  # the same documents with other times: resumes
     code, _, err = call("train", ["--out", str(touched), "--resume", "--steps", "3", "--cache-dir", cache], capsys)
     assert code == 0, err
+    perplexity = ["perplexity", str(run), "--eval-docs", "1", "--eval-tokens", "32"]
+    assert call("evaluate", perplexity, capsys)[::2] == (0, "")  # evaluate: no note on the same documents
+    _, valid = data.split_documents(data.load_documents(str(corpus), verbose=False), 0.05, seed=0)
+    with open(corpus / valid[-1].id, "a") as f:  # a validation document edited: evaluate says so
+        f.write("one more line\n")
+    code, _, err = call("evaluate", perplexity, capsys)
+    assert code == 0 and err.startswith("note: the validation documents of") and err.count("\n") == 1, err
     with open(corpus / "d05.txt", "a") as f:
         f.write("one more line\n")
     before = snapshot(tmp_path)

@@ -355,7 +355,8 @@ def _flat(tree):
 
 def save_checkpoint(path, step, params, opt_state, state, data_position, documents=None):
     """Atomic (atomic_write): a kill during a save leaves the previous checkpoint loadable.
-    documents: the fingerprint of the documents data_position is a position in (data.fingerprint)."""
+    documents: the fingerprints of the training documents, in which data_position is a position,
+    and of the validation documents (prepare_data)."""
     arrays = {}
     for name, tree in (("params", params), ("opt", opt_state), ("state", state._asdict())):
         arrays.update({f"{name}{k}": v for k, v in _flat(tree).items()})
@@ -791,9 +792,11 @@ def parse_suffixes(text):
 
 
 def prepare_data(config, args, tokenizer_path=None):
-    """Documents -> tokenizer -> (train tokens, validation tokens, tokenizer path). Writes only
-    to the cache, whose every file is named by a hash of all that determines its content:
-    the corpus, the validation split, the vocabulary size, the tokenizer."""
+    """Documents -> tokenizer -> (train tokens, validation tokens (cut to --eval-docs and
+    --eval-tokens), their reference distances, tokenizer path, fingerprints of the training and
+    the whole validation documents). Writes only to the cache, whose every file is named by a
+    hash of all that determines its content: the corpus, the validation split, the vocabulary
+    size, the tokenizer."""
     suffixes = parse_suffixes(args.suffixes)
     check_writable_dir(args.cache_dir, "--cache-dir")
     os.makedirs(args.cache_dir, exist_ok=True)
@@ -818,11 +821,12 @@ def prepare_data(config, args, tokenizer_path=None):
         valid, refs = [valid[i] for i in keep], [refs[i] for i in keep]
     if not train or not valid:
         raise UsageError(f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split.")
+    documents = {"train": data.fingerprint(train), "validation": data.fingerprint(valid)}
     valid = [t[:args.eval_tokens + 1] for t in valid[:args.eval_docs]]
     refs = [r[:len(t)] for t, r in zip(valid, refs)]
     # Synthetic data: how far back each reference's value last appeared (else None).
     distances = [data.reference_distances(t, r) for t, r in zip(valid, refs)] if any(r.any() for r in refs) else None
-    return train, valid, distances, tok_path
+    return train, valid, distances, tok_path, documents
 
 
 def shard(tree, mesh, spec):
@@ -949,7 +953,7 @@ def run_config(args, given):
 def initial_state(config, args, out, stream, documents):
     """(params, optimizer state, model state, step): fresh, or resumed from the checkpoint in
     --out (the data stream is moved to where it stopped, in the same documents: `documents`,
-    their fingerprint, must be the checkpoint's), or with --init-from's weights. Reads, never
+    their fingerprints, must be the checkpoint's), or with --init-from's weights. Reads, never
     writes."""
     def fresh():
         params = mt.init_params(config, jax.random.PRNGKey(config.seed))
@@ -1095,10 +1099,9 @@ def _train(args, given, held):
     out, config, tokenizer = run_config(args, given)
     locked = lock_run_dir(out, held)  # before the checkpoint is read: a resume elsewhere may be writing it
     ckpt_path = os.path.join(out, "checkpoint.npz")
-    train_tokens, valid_tokens, valid_distances, tok_path = prepare_data(config, args, tokenizer)
+    train_tokens, valid_tokens, valid_distances, tok_path, documents = prepare_data(config, args, tokenizer)
     use_compilation_cache(args.cache_dir)  # before the first compile
     stream = data.segment_batches(train_tokens, config.batch_size, config.segment_length, config.seed)
-    documents = data.fingerprint(train_tokens, valid_tokens)
     params, opt_state, state, step = initial_state(config, args, out, stream, documents)
     if args.init_from and step:  # fine-tuning: --steps more steps after the checkpoint's
         config = config.replace(steps=step + config.steps)
