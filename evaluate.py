@@ -33,7 +33,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import data
@@ -293,10 +292,10 @@ def cmd_recall(args):
     _, exact = per_token_loss(params, config.replace(exact_topk=True), doc)
     K, T = config.num_neighbors, config.segment_length
     hits, total = 0, 0
-    for seg, (ra, re) in enumerate(zip(approx, exact)):
+    for seg, (ra, rx) in enumerate(zip(approx, exact)):
         if seg * T < K:  # fewer than k entries: both return every valid entry
             continue
-        for la, le in zip(ra, re):  # memory layers
+        for la, le in zip(ra, rx):  # memory layers
             a, b = la["slots"][0].reshape(-1, K), le["slots"][0].reshape(-1, K)  # [H * T, K]
             hits += sum(len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist()))
             total += b.size

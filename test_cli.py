@@ -322,6 +322,26 @@ def test_the_token_cache_follows_the_validation_split(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_vocabulary_larger_than_the_tokenizer_is_noted(tmp_path, capsys):
+    """SentencePiece stops merging when the corpus has no more to learn: synthetic:40 asked
+    for 2048 pieces gives fewer, and the unused rows are named once, on stderr; at the size
+    it names, the tokenizer has the same pieces and nothing is noted."""
+    def prepare(*flags):
+        args = train.build_parser().parse_args(FAST + ["--cache-dir", str(tmp_path)] + list(flags))
+        config = train.config_from_args(args)
+        sp = data.load_tokenizer(train.prepare_data(config, args)[3])
+        return config, [sp.id_to_piece(i) for i in range(sp.get_piece_size())], capsys.readouterr().err
+
+    config, pieces, err = prepare()
+    n = len(pieces)
+    assert n < config.vocab_size == 2048
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and f"has {n} pieces" in notes[0] and f"{config.vocab_size - n} rows" in notes[0], err
+    assert f"--vocab-size {n} " in notes[0]
+    config, same, err = prepare("--vocab-size", str(n))
+    assert config.vocab_size == n and same == pieces and "note:" not in err, err
+
+
 def test_an_existing_run_is_never_overwritten_and_a_refused_run_writes_nothing(tmp_path, finished_run, cache, capsys):
     """Issue 14.2 and 14.3: --out on a run without --resume is refused, whatever points at it
     (its own tokenizer, a symlink to it as --init-from); a check that fails after the data

@@ -810,6 +810,10 @@ def prepare_data(config, args, tokenizer_path=None):
         sp, tok_path = data.get_tokenizer(train_docs, config.vocab_size, args.cache_dir, key)
     if sp.get_piece_size() > config.vocab_size:
         raise UsageError(f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {config.vocab_size}.")
+    if sp.get_piece_size() < config.vocab_size:  # SentencePiece stops early when the corpus has no more merges
+        print(f"note: the tokenizer has {sp.get_piece_size()} pieces, fewer than the vocabulary size "
+              f"{config.vocab_size}: {config.vocab_size - sp.get_piece_size()} rows of the embedding and of the output "
+              f"layer will never be used (--vocab-size {sp.get_piece_size()} trains without them).", file=sys.stderr)
     with open(tok_path, "rb") as f:
         tok_hash = hashlib.sha256(f.read()).hexdigest()[:16]
     cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{tok_hash}-{part}.npz")
