@@ -83,6 +83,31 @@ def generate(params, config, prompt, num_tokens, temperature=1.0, top_k=None, se
     return new
 
 
+class TextStream:
+    """Writes the text of a growing list of tokens as each token comes. A character outside
+    the tokenizer's pieces is spelled by byte pieces, one token a byte, and until its last
+    byte comes the decoder shows U+FFFD for the partial ones: text ending in U+FFFD is held
+    back until a later token resolves it or `close` writes it as it is. So what is written,
+    in all, is `sp.decode` of all the tokens. before: tokens that come first and are not
+    written (the prompt); a character they leave unfinished is written whole when the
+    tokens that finish it come."""
+
+    def __init__(self, sp, write, before=()):
+        self.sp, self.write, self.ids = sp, write, [int(t) for t in before]
+        self.shown = len(sp.decode(self.ids).rstrip("\ufffd"))
+
+    def add(self, token):
+        self.ids.append(int(token))
+        text = self.sp.decode(self.ids)  # all of it: a character can span tokens
+        ready = len(text.rstrip("\ufffd"))
+        if ready > self.shown:
+            self.write(text[self.shown:ready])
+            self.shown = ready
+
+    def close(self):
+        self.write(self.sp.decode(self.ids)[self.shown:])
+
+
 def build_parser():
     p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=train.HelpFormatter)
     p.add_argument("run_dir", type=train.path_arg, help="a train.py output directory")
@@ -129,21 +154,16 @@ def sample(args):
             raise train.UsageError(f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
                                    f"{len(docs)} documents.")
         prompt = [int(t) for t in docs[args.prompt_doc][:args.prompt_tokens]]
-        text = sp.decode(prompt)
     else:
         prompt = sp.encode(text)
     if not prompt:
         raise train.UsageError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file.")
-    if args.echo:
-        print(text, end="", flush=True)
-    ids = []
-
-    def show(token):  # decode the whole continuation so far: pieces of one character can span tokens
-        before = sp.decode(ids)
-        ids.append(token)
-        print(sp.decode(ids)[len(before):], end="", flush=True)
-
-    generate(params, config, prompt, args.tokens, args.temperature, args.top_k, args.seed, sp.get_piece_size(), show)
+    stream = TextStream(sp, lambda text: print(text, end="", flush=True), prompt)
+    if args.echo:  # what the prompt's tokens spell (= the --prompt text), but for a character that it cuts
+        print(sp.decode(prompt)[:stream.shown], end="", flush=True)
+    generate(params, config, prompt, args.tokens, args.temperature, args.top_k, args.seed, sp.get_piece_size(),
+             stream.add)
+    stream.close()
     print(flush=True)
     print(f"({len(prompt)} prompt tokens, {args.tokens} generated, memory "
           f"{'off' if args.memory_off else config.memory_size})", file=sys.stderr)

@@ -1,7 +1,9 @@
 """sample.py: greedy decoding against streaming forward, seeds, and the command line."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
+import data
 import jax
 import memorizing_transformer as mt
 import sample
@@ -54,6 +56,47 @@ def test_top_k_and_vocab_restrict_the_draw():
     draws = {sample.next_token(logits[:4], 1.0, 2, rng) for _ in range(200)}
     assert draws == {1, 2}
     assert sample.next_token(logits, 0, None, rng) == 4
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    """A tokenizer that has no piece for "é€中😀": they are spelled in byte pieces."""
+    text = "the cat sat on the mat; the dog sat on the log.\n\tdef f(x): return x + 1\n"
+    docs = [data.Document(str(i), text) for i in range(20)]
+    return data.train_tokenizer(docs, 300, str(tmp_path_factory.mktemp("tok") / "small.model"))
+
+
+PARTS = st.lists(st.one_of(st.sampled_from(["é", "€", "中", "😀", "cat ", "\n", " "]), st.integers(0, 299)),
+                max_size=12)
+
+
+@settings(deadline=None, max_examples=60, derandomize=True)
+@given(PARTS, PARTS, st.integers(0, 3))
+def test_the_text_stream_writes_exactly_the_decoded_text(small_tokenizer, before, parts, cut):
+    """The printed continuation, written a token at a time, is sp.decode of the prompt and
+    the new tokens, less the prompt's finished characters: a character spelled over several
+    byte pieces is held back until complete, not written as U+FFFD (the old per-token
+    difference wrote "a\ufffd\ufffd" for "a€"), and a character the prompt leaves unfinished
+    (cut `cut` tokens early) is written whole; what can be shown is shown as soon as it can."""
+    sp = small_tokenizer
+    assert sp.encode("€") == [sp.piece_to_id(f"<0x{b:02X}>") for b in "€".encode()]  # byte pieces
+    ids_of = lambda p: sp.encode(p) if isinstance(p, str) else [p % sp.get_piece_size()]
+    tokens = lambda parts: [i for p in parts for i in ids_of(p)]
+    prompt, ids = tokens(before), tokens(parts)
+    cut = min(cut, len(prompt))
+    prompt, ids = prompt[:len(prompt) - cut], prompt[len(prompt) - cut:] + ids
+    written = []
+    stream = sample.TextStream(sp, written.append, prompt)
+    shown = sp.decode(prompt).rstrip("\ufffd")
+    assert not written and stream.shown == len(shown)
+    for n, token in enumerate(ids, 1):
+        stream.add(token)
+        assert shown + "".join(written) == sp.decode(prompt + ids[:n]).rstrip("\ufffd")
+    stream.close()
+    assert shown + "".join(written) == sp.decode(prompt + ids)
+    if all(isinstance(p, str) for p in before + parts):  # whole characters: the text itself, no U+FFFD
+        assert shown + "".join(written) == "".join(before + parts)
+        assert "\ufffd" not in shown + "".join(written)
 
 
 def test_the_command_line_continues_a_prompt_and_refuses_bad_input(finished_run, tmp_path, capsys):
