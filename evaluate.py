@@ -349,14 +349,20 @@ def explore_data(params, config, sp, doc, top, run_dir, index):
             "memory_pos": pos.ravel().tolist(), "memory_weight": weight.ravel().tolist()}
 
 
+def script_json(value):
+    """JSON to put inside a <script> element: with no "<" in it (each is written \\u003c, the
+    same string to JSON), no text of the document, such as "</script>" or "<!--<script>",
+    can end the element early or change how the HTML parser reads it."""
+    return json.dumps(value, separators=(",", ":")).replace("<", "\\u003c")
+
+
 def cmd_explore(args):
     config, params, sp, run_args = load_run(args.run_dir)
     if not config.active_memory_layers:
         raise UsageError(f"{args.run_dir} has no memory to explore.")
     doc, _ = _doc(args, run_args, sp, config)
     page = explore_data(params, config, sp, doc, args.top, args.run_dir, args.doc)
-    blob = json.dumps(page, separators=(",", ":")).replace("</", "<\\/")  # nothing in it can close the script
-    train.write_output(args.out, EXPLORE_PAGE.replace("__DATA__", blob))
+    train.write_output(args.out, EXPLORE_PAGE.replace("__DATA__", script_json(page)))
     s = page["summary"]
     print(f"{args.out}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} (memory off "
           f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory")
@@ -392,6 +398,7 @@ function shade(g) {  // blue where the memory helped, red where it hurt
   return g >= 0 ? `rgba(30, 110, 230, ${a})` : `rgba(220, 40, 40, ${a})`;
 }
 const text = (a, b) => D.pieces.slice(Math.max(0, a), Math.max(0, b)).join("");
+const esc = (t) => t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");  // text into innerHTML
 document.getElementById("title").textContent = `${D.run}: validation document ${D.doc}`;
 document.getElementById("numbers").textContent =
   `${n} predicted tokens | loss ${D.summary.loss.toFixed(4)} nats, memory off ` +
@@ -416,15 +423,15 @@ function show(target) {
   if (selected) selected.classList.remove("sel");
   selected = target; selected.classList.add("sel");
   const i = j - 1, on = D.loss[i], off = D.loss_memory_off[i];
-  let html = `<h4>query ${i}: ${JSON.stringify(D.pieces[i])} &rarr; ${JSON.stringify(D.pieces[j])}</h4>` +
+  let html = `<h4>query ${i}: ${esc(JSON.stringify(D.pieces[i]))} &rarr; ${esc(JSON.stringify(D.pieces[j]))}</h4>` +
     `<p>loss ${on.toFixed(3)} with memory, ${off.toFixed(3)} without: gain ${(off - on).toFixed(3)} nats</p>` +
     `<table><tr><th>head</th><th>weight</th><th>memory</th><th>distance</th><th>context</th></tr>`;
-  const esc = (t) => t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/\\n/g, "\u23ce");
+  const line = (t) => esc(t).replace(/\\n/g, "\u23ce");  // a context on one line
   for (let h = 0; h < H; h++) for (let r = 0; r < R; r++) {
     const k = (i * H + h) * R + r, pos = D.memory_pos[k];
     if (pos < 0) continue;
     html += `<tr><td>${h}</td><td>${(D.memory_weight[k] / 1000).toFixed(3)}</td><td>${pos}</td><td>${i - pos}</td>` +
-      `<td class="ctx">${esc(text(pos - 8, pos))}<mark>${esc(D.pieces[pos])}</mark>${esc(text(pos + 1, pos + 4))}</td></tr>`;
+      `<td class="ctx">${line(text(pos - 8, pos))}<mark>${line(D.pieces[pos])}</mark>${line(text(pos + 1, pos + 4))}</td></tr>`;
   }
   document.getElementById("detail").innerHTML = html + "</table>";
 }

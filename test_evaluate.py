@@ -400,6 +400,27 @@ def test_explore_page_is_self_contained_and_holds_the_documents_tokens_and_compa
         assert abs(d["loss_memory_off"][i] - d["loss"][i] - float(gain)) <= 0.0015
 
 
+def test_the_explore_page_keeps_a_documents_markup_as_text():
+    """A code corpus has "<" in its tokens. In the page's data, no "<" is left to end the
+    <script> element early ("</script>") or to change how it is parsed ("<!--<script>"), and
+    the data reads back the same; in the page's script, every piece of the document that goes
+    into innerHTML goes through esc (the query line once put pieces such as "<b>" in raw)."""
+    import re
+
+    value = {"pieces": ["</script>", "<!--<script>", "a<b&c>", "\u2028", '"'], "n": [1, 2.5]}
+    blob = evaluate.script_json(value)
+    assert "<" not in blob and json.loads(blob) == value
+    script = evaluate.EXPLORE_PAGE.split("<script>")[1]
+    assert "const esc = (t) =>" in script
+    built = script[script.index("let html ="):script.index(".innerHTML = html")]  # the HTML that show() builds
+    inserts = re.findall(r"\$\{(.*?)\}", built)  # ${expression} in the template strings
+    assert len(inserts) >= 10
+    for expr in inserts:
+        if "pieces" in expr or "text(" in expr:
+            assert expr.startswith(("esc(", "line(")), expr
+    assert "const line = (t) => esc(t)" in built
+
+
 def test_token_kinds_and_context_reach_against_explicit_definitions():
     class Pieces:  # a stand-in tokenizer: ids name pieces
         pieces = ["\u2581for", "x_1", "\u2581(", "42", "\u2581", "<0x41>", "<0xE9>", "a+"]
