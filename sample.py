@@ -46,10 +46,12 @@ def next_token(logits, temperature, top_k, rng):
     to the top_k most likely tokens when top_k is given."""
     if temperature == 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # <= 0, so a tiny temperature gives -inf (p = 0), never inf - inf
+        z = (z - z.max()) / temperature
     if top_k and top_k < len(z):
         z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
-    p = np.exp(z - z.max())
+    p = np.exp(z)  # the most likely token has z = 0, p = 1
     return int(rng.choice(len(p), p=p / p.sum()))
 
 

@@ -56,6 +56,12 @@ def test_top_k_and_vocab_restrict_the_draw():
     draws = {sample.next_token(logits[:4], 1.0, 2, rng) for _ in range(200)}
     assert draws == {1, 2}
     assert sample.next_token(logits, 0, None, rng) == 4
+    # A tiny temperature is the greedy limit, not a NaN (logits / 5e-324 once overflowed to inf - inf).
+    for t in (5e-324, 1e-300, 1e-30):
+        assert {sample.next_token(logits, t, None, rng) for _ in range(20)} == {4}
+        assert {sample.next_token(np.array([1.0, 3.0, 3.0, -2.0]), t, None, rng) for _ in range(100)} == {1, 2}
+    big = sample.next_token(np.array([1e30, -1e30, 0.0]), 1e-300, 2, rng)
+    assert big == 0
 
 
 @pytest.fixture(scope="module")
