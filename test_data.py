@@ -1,6 +1,7 @@
 """data.py: the batching invariants against explicit bookkeeping, sources, tokenizer, bad input."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -190,7 +191,7 @@ def remove_deep(deep, levels):
 
 def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
     """Once a RecursionError: the walks (a repository's, and data._walk, os.walk's twin, for
-    the other formats, the format's detection and the cache key) keep their own stacks."""
+    the other formats and the format's detection) keep their own stacks."""
     deep = str(tmp_path / "r")
     os.mkdir(deep)
     for _ in range(1200):  # (os.makedirs would recurse as deep, and so would shutil.rmtree)
@@ -202,44 +203,56 @@ def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
     (doc,) = data.load_documents(str(tmp_path), verbose=False)  # the format detected: repo
     assert sorted(l for l in doc.text.splitlines() if l.startswith("# file:")) == [
         "# file: " + os.path.join("r", *["a"] * 1200, "f.py"), "# file: r/g.py"]
-    key = data.corpus_key(str(tmp_path), "auto", 0)
     write(os.path.join(deep, "book.txt"), "a book\n")
-    assert data.corpus_key(str(tmp_path), "auto", 0) != key  # the deepest directory's files count in it
     (doc,) = data.load_documents(str(tmp_path), "text", verbose=False)
     assert doc.id == os.path.join("r", *["a"] * 1200, "book.txt") and doc.text == "a book\n"
 
 
-def test_the_cache_key_follows_a_one_file_corpus_and_ignores_what_no_reader_reads(tmp_path, monkeypatch):
-    """A corpus of one .jsonl file kept its first key whatever the file became, so an edited or
-    replaced file was trained on as its old tokens. Hidden files and __pycache__ (a .cache of
-    ours inside `--data .`, the .pyc files Python writes into the standard library) and the
-    standard library's site-packages changed the key without changing a document."""
+def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
+    """The tokenizer and the tokens are cached under a hash of the documents the readers made.
+    It once hashed the files' paths, sizes and times instead: a corpus of one .jsonl file kept
+    its first key whatever the file became (an edited file trained as its old tokens); hidden
+    files, __pycache__ and stdlib's site-packages changed it without changing a document; and
+    a reader that changed (the JSONL byte order mark) kept a key whose tokens no longer
+    matched what it read. Now an edit changes the key, and a touch, a copy or a file no
+    reader reads does not."""
+    key = lambda path, fmt="auto": data.corpus_key(data.load_documents(str(path), fmt, verbose=False))
     one = tmp_path / "one.jsonl"
     write(str(one), '{"text": "a"}\n')
-    key = data.corpus_key(str(one), "auto", 0)
+    first = key(one)
     write(str(one), '{"text": "another text"}\n{"text": "b"}\n')
     os.utime(one, (1e9, 1e9))
-    assert data.corpus_key(str(one), "auto", 0) != key
+    assert key(one) != first
+    edited = key(one)
+    os.utime(one, (2e9, 2e9))
+    assert key(one) == edited  # touched
+    write(str(one), '\ufeff{"text": "another text"}\n{"text": "b"}\n')  # the same documents, with a BOM
+    assert key(one) == edited
     corpus = tmp_path / "c"
     for name in ("a.txt", "sub/b.txt", ".hidden.txt", ".git/c.txt", "__pycache__/d.txt", "sub/.e/f.jsonl"):
         write(str(corpus / name), f"the text of {name}\n")
     assert data.detect_format(str(corpus)) == "text"  # (a hidden .jsonl once made it a JSONL corpus)
     assert sorted(d.id for d in data.load_documents(str(corpus), "text", verbose=False)) == ["a.txt", "sub/b.txt"]
-    key = data.corpus_key(str(corpus), "text", 0)
+    first = key(corpus, "text")
+    assert key(corpus, "repo") != first  # another reader, other documents
     for name in (".hidden.txt", ".git/c.txt", "__pycache__/d.txt", ".cache/jax/x", "__pycache__/y.pyc"):
         write(str(corpus / name), "changed\n")
-    assert data.corpus_key(str(corpus), "text", 0) == key
+    assert key(corpus, "text") == first
+    shutil.copytree(corpus, tmp_path / "copy")
+    assert key(tmp_path / "copy", "text") == first
     write(str(corpus / "sub/b.txt"), "changed\n")
-    assert data.corpus_key(str(corpus), "text", 0) != key
+    assert key(corpus, "text") != first
     lib = tmp_path / "lib"
     write(str(lib / "m.py"), "x = 1\n")
     monkeypatch.setattr(data, "stdlib_path", lambda: str(lib))
-    key = data.corpus_key("stdlib", "auto", 0)
+    first = key("stdlib")
     write(str(lib / "site-packages" / "pkg" / "p.py"), "y = 2\n")  # pip install
-    assert data.corpus_key("stdlib", "auto", 0) == key
+    assert key("stdlib") == first
     write(str(lib / "m.py"), "x = 2\n")
-    os.utime(lib / "m.py", (1e9, 1e9))
-    assert data.corpus_key("stdlib", "auto", 0) != key
+    assert key("stdlib") != first
+    docs = [data.Document("a", "xy"), data.Document("b", "z")]
+    assert data.corpus_key(docs) != data.corpus_key([data.Document("a", "x"), data.Document("yb", "z")])
+    assert data.corpus_key(docs) != data.corpus_key([data.Document("a", "xy", (("xy", True),)), docs[1]])
 
 
 def test_inside_corpus_is_where_a_reader_would_see_a_path(tmp_path):
@@ -332,7 +345,8 @@ def test_suffixes_keep_only_the_named_languages(tmp_path):
     (doc,) = data.load_documents(str(tmp_path), "repo", suffixes=(".py", ".c", ".h"), verbose=False)
     names = sorted(os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:"))
     assert names == ["a.py", "b.c", "c.h"]
-    assert data.corpus_key(str(tmp_path), "repo", 0, suffixes=(".py",)) != data.corpus_key(str(tmp_path), "repo", 0)
+    (every,) = data.load_documents(str(tmp_path), "repo", verbose=False)
+    assert data.corpus_key([doc]) != data.corpus_key([every])
 
 
 def test_split_is_disjoint_deterministic_and_covers_everything():
@@ -451,6 +465,8 @@ def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys
     docs = data.load_documents(str(tmp_path / "j"))
     assert [d.text for d in docs] == ["hello"]
     assert "3 bad json" in capsys.readouterr().out
+    write(str(tmp_path / "bom" / "a.jsonl"), b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n', "wb")
+    assert [d.text for d in data.load_documents(str(tmp_path / "bom"))] == ["first", "second"]  # (once "1 bad json")
     write(str(tmp_path / "t" / "book.txt"), "a book\n")
     write(str(tmp_path / "t" / "blank.txt"), "")
     assert [d.text for d in data.load_documents(str(tmp_path / "t"))] == ["a book\n"]

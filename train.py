@@ -802,7 +802,7 @@ def prepare_data(config, args, tokenizer_path=None):
     os.makedirs(args.cache_dir, exist_ok=True)
     docs = data.load_documents(args.data, args.data_format, seed=0, suffixes=suffixes)
     train_docs, valid_docs = data.split_documents(docs, args.valid_fraction, seed=0)
-    key = data.corpus_key(args.data, args.data_format, 0, docs, suffixes)
+    key = data.corpus_key(docs)  # the documents as read, whatever the path, format or suffixes that gave them
     key = hashlib.sha256(f"{key}|valid_fraction {args.valid_fraction!r}".encode()).hexdigest()[:16]
     if tokenizer_path:
         sp, tok_path = data.load_tokenizer(tokenizer_path), tokenizer_path
