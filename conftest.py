@@ -41,6 +41,7 @@
    made once per session: `cache` and `finished_run`.
 """
 import concurrent.futures
+import contextlib
 import os
 import pathlib
 import shutil
@@ -76,10 +77,11 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory, cache):
     """A finished memory run of test_train.FAST (2 steps), the template the command-line tests
-    copy before they break it; none changes it."""
+    copy before they break it; none changes it. What it printed is in stdout.txt beside it."""
     from test_train import FAST  # (a test module: imported once the session runs, not with conftest)
     out = tmp_path_factory.mktemp("runs") / "run"
-    assert train.main(FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]) == 0
+    with open(out.parent / "stdout.txt", "w") as log, contextlib.redirect_stdout(log):
+        assert train.main(FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]) == 0
     return out
 
 

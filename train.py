@@ -810,10 +810,6 @@ def prepare_data(config, args, tokenizer_path=None):
         sp, tok_path = data.get_tokenizer(train_docs, config.vocab_size, args.cache_dir, key)
     if sp.get_piece_size() > config.vocab_size:
         raise UsageError(f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {config.vocab_size}.")
-    if sp.get_piece_size() < config.vocab_size:  # SentencePiece stops early when the corpus has no more merges
-        print(f"note: the tokenizer has {sp.get_piece_size()} pieces, fewer than the vocabulary size "
-              f"{config.vocab_size}: {config.vocab_size - sp.get_piece_size()} rows of the embedding and of the output "
-              f"layer will never be used (--vocab-size {sp.get_piece_size()} trains without them).", file=sys.stderr)
     with open(tok_path, "rb") as f:
         tok_hash = hashlib.sha256(f.read()).hexdigest()[:16]
     cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{tok_hash}-{part}.npz")
@@ -1125,6 +1121,11 @@ def _train(args, given, held):
           f"{len(train_tokens)} train / {len(valid_tokens)} valid documents, device {jax.devices()[0].platform}"
           f" x{jax.device_count()}, memory {config.memory_size} in layers {list(config.active_memory_layers)}",
           flush=True)
+    pieces = data.load_tokenizer(tok_path).get_piece_size()
+    if pieces < config.vocab_size:  # SentencePiece stops early when the corpus has no more merges to learn
+        print(f"note: the tokenizer has {pieces} pieces, fewer than the vocabulary size {config.vocab_size}: "
+              f"{config.vocab_size - pieces} rows of the embedding and of the output layer will never be used "
+              f"(--vocab-size {pieces} trains without them).", flush=True)
 
     with interrupt_flag() as stop, open(os.path.join(out, "metrics.jsonl"), "a") as log:
         t_log, tokens_since, first_step = time.time(), 0, step
