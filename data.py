@@ -18,6 +18,7 @@ import random
 import re
 import stat
 import sysconfig
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -565,11 +566,23 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
         why = (f"it needs at least {need} (256 bytes, pad and unk, and its {chars} distinct characters); "
                f"raise --vocab-size" if vocab_size < need else str(e).strip().splitlines()[-1])
         raise DataError(f"cannot train a tokenizer of {vocab_size} pieces on this corpus: {why}.") from None
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, path)
+    _write_cache(path, lambda f: f.write(model.getvalue()))
     return load_tokenizer(path)
+
+
+def _write_cache(path, write):
+    """write(f) into a file of this call's own beside `path`, renamed over it when whole. Two
+    runs that fill one cache at once (two seeds started together) once shared one temporary
+    name: one wrote into the other's file and the other's rename failed (FileNotFoundError).
+    A cache file needs no fsync: a corrupt one is rebuilt."""
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def load_tokenizer(path):
@@ -650,10 +663,9 @@ def tokenize(docs, sp, cache_path=None):
     encoded = [(t, r) for t, r in encoded if len(t) >= 2]
     if cache_path:
         offsets = np.cumsum([0] + [len(t) for t, _ in encoded])
-        tmp = cache_path + ".tmp.npz"
-        np.savez(tmp, tokens=np.concatenate([t for t, _ in encoded] or [np.zeros(0, np.int32)]),
-                 refs=np.concatenate([r for _, r in encoded] or [np.zeros(0, bool)]), offsets=offsets)
-        os.replace(tmp, cache_path)
+        _write_cache(cache_path, lambda f: np.savez(
+            f, tokens=np.concatenate([t for t, _ in encoded] or [np.zeros(0, np.int32)]),
+            refs=np.concatenate([r for _, r in encoded] or [np.zeros(0, bool)]), offsets=offsets))
     return [t for t, _ in encoded], [r for _, r in encoded]
 
 

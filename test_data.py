@@ -208,6 +208,47 @@ def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
     assert doc.id == os.path.join("r", *["a"] * 1200, "book.txt") and doc.text == "a book\n"
 
 
+def test_runs_that_fill_one_cache_at_once_each_write_a_whole_file(tmp_path, monkeypatch):
+    """Two runs of one corpus started together (two seeds) fill the same cache files. They
+    once shared one temporary name: one wrote into the other's file, whose rename then failed
+    (FileNotFoundError; 36 of 80 threads did in a race of tokenize and train_tokenizer).
+    Four writers at once, many times: each rename succeeds, the file is one writer's whole
+    payload, and no temporary file is left."""
+    import threading
+
+    path = str(tmp_path / "tokens.npz")
+    for round_ in range(6):
+        payloads = [bytes([round_ * 4 + i]) * (1 << 22) for i in range(4)]  # 4 MB each, distinct
+        gate, errors = threading.Barrier(4), []
+
+        def writer(payload):
+            try:
+                gate.wait()
+                chunks = [payload[i:i + 65536] for i in range(0, len(payload), 65536)]
+                data._write_cache(path, lambda f: [f.write(chunk) for chunk in chunks])
+            except Exception as e:  # noqa: BLE001 (any failure fails the test below)
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=writer, args=(p,)) for p in payloads]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        with open(path, "rb") as f:
+            assert f.read() in payloads
+        assert os.listdir(tmp_path) == ["tokens.npz"]
+    # Both caches are written through it.
+    written = []
+    real = data._write_cache
+    monkeypatch.setattr(data, "_write_cache", lambda p, write: (written.append(os.path.basename(p)), real(p, write)))
+    docs = [data.Document(str(i), "the cat sat on the mat\n") for i in range(4)]
+    sp = data.train_tokenizer(docs, 300, str(tmp_path / "t.model"))
+    tokens, _ = data.tokenize(docs, sp, str(tmp_path / "c.npz"))
+    again, _ = data.tokenize(docs, sp, str(tmp_path / "c.npz"))  # from the cache
+    assert written == ["t.model", "c.npz"] and [t.tolist() for t in again] == [t.tolist() for t in tokens]
+
+
 def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
     """The tokenizer and the tokens are cached under a hash of the documents the readers made.
     It once hashed the files' paths, sizes and times instead: a corpus of one .jsonl file kept
