@@ -602,9 +602,9 @@ def load_tokenizer(path):
 def corpus_key(docs):
     """A name for a list of documents: a hash of their ids, texts and parts, that is, of what
     the readers made of the files, not of the files. A touched or copied corpus keeps its key;
-    an edit, and a change in what a reader makes of the same files (it once skipped hidden
-    files, or the first line of a JSONL file that opens with a byte order mark, where it now
-    reads them), changes it. Hashing is fast next to reading: 0.06 s for stdlib's 32 MB."""
+    an edit changes it, and so does a change in what a reader makes of the same files (the
+    readers once read hidden files, and dropped the first line of a JSONL file that opens
+    with a byte order mark). Hashing is fast next to reading: 0.06 s for stdlib's 32 MB."""
     h = hashlib.sha256(len(docs).to_bytes(8, "little"))
     for d in docs:
         for text in (d.id, d.text, repr(d.parts)):
