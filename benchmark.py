@@ -558,6 +558,8 @@ def benchmark(args):
         raise train.UsageError(f"--memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.") from None
     if not sizes:
         raise train.UsageError("--memory-sizes is empty.")
+    if len(set(sizes)) < len(sizes):  # rows are named by their size (the paired rounds, --profile's files)
+        raise train.UsageError(f"--memory-sizes names a size twice: {args.memory_sizes!r}.")
     for m in sizes:  # every size checked before any row runs
         try:
             config = base.replace(memory_size=m, batch_size=batch, grad_accum=1, dtype=args.dtype)
@@ -642,6 +644,9 @@ def benchmark(args):
               f"{fmt(r['recall']):>7}" + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else "") +
               (f" {r['paired_ratio']:>7.3f} {r['paired_min']:>6.3f} {r['paired_max']:>6.3f} "
                f"{r['paired_ratio'] / r['floor_ratio']:>7.3f}" if args.rounds else ""))
+    if base_row["memory_size"]:
+        print(f"ratios (and the paired ones): over the first row (memory {base_row['memory_size']}), as "
+              f"--memory-sizes has no 0 (no memory, the baseline)")
     print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
     if args.rounds:
         print(f"paired: median over {args.rounds} rounds, the rows' steps called in turn in one process, of each "

@@ -455,6 +455,8 @@ def positive_ints(text):
         raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"takes positive integers, got {text!r}")
+    if len(set(values)) < len(values):  # each names rows of the result
+        raise argparse.ArgumentTypeError(f"names a value twice: {text!r}")
     return values
 
 

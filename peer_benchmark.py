@@ -199,6 +199,8 @@ def main(argv=None):
         p.error(f"--memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.")
     if not sizes or min(sizes) < 0:
         p.error("--memory-sizes needs at least one size, each >= 0.")
+    if len(set(sizes)) < len(sizes):
+        p.error(f"--memory-sizes names a size twice: {args.memory_sizes!r}.")
     if args.peer_row is not None:
         print(json.dumps(peer_row(args.peer_row, args.steps)))
         return 0

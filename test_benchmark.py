@@ -40,6 +40,7 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(toy_benchma
     assert rows[0]["grad_over_forward"] == rows[0]["grad_s"] / rows[0]["loss_forward_s"]
     device = "CPU" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
     assert f"device: {device}" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
+    assert "over the first row" not in proc.stdout  # size 0 is the baseline
 
 
 @early
@@ -66,6 +67,7 @@ def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_
     assert not list((tmp / "tmp").iterdir())
     # --rounds: the one row is its own base (no size 0 given), so its paired ratio is 1.
     assert row["paired_ratio"] == row["paired_min"] == row["paired_max"] == 1.0 and "paired" in proc.stdout
+    assert "ratios (and the paired ones): over the first row (memory 512), as --memory-sizes has no 0" in proc.stdout
     assert row["forward_s"] is None and row["forward_ratio"] is None and row["grad_s"] is None
     assert "train step" in proc.stdout and "forward pass" not in proc.stdout
     # --profile: the operations that took the time, each named after the JAX operation it came from.
@@ -183,7 +185,8 @@ def test_benchmark_search_times_the_four_forms_of_the_search_and_the_top_k_both_
 
 def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
     for flags in (["--memory-sizes", "100"], ["--memory-sizes", "a,b"], ["--steps", "0"], ["--rounds", "-1"],
-                  ["--search", "--rounds", "3"], ["--compile-jobs", "0"], ["--search", "--compile-jobs", "2"]):
+                  ["--search", "--rounds", "3"], ["--compile-jobs", "0"], ["--search", "--compile-jobs", "2"],
+                  ["--memory-sizes", "0,512,0"]):  # (a repeated size was timed twice; --profile wrote its files over)
         code = benchmark.main(flags)
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (flags, err)
@@ -234,7 +237,8 @@ def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median
                          (["--json", str(tmp_path)], f"--json {tmp_path} {cannot}"),
                          (["--json", str(tmp_path / "no" / "x.json")],
                           f"--json {tmp_path / 'no' / 'x.json'} {cannot}"),
-                         (["--json", "/proc/x.json"], f"--json /proc/x.json {cannot}")):  # os.access passes it as root
+                         (["--json", "/proc/x.json"], f"--json /proc/x.json {cannot}"),  # os.access passes it as root
+                         (["--memory-sizes", "0,8192,0"], "--memory-sizes names a size twice: '0,8192,0'.")):
         with pytest.raises(SystemExit) as stop:
             peer_benchmark.main(flags)  # refused before benchmark.py runs
         assert stop.value.code == 2 and capsys.readouterr().err == f"error: {error}\n"

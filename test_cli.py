@@ -173,6 +173,7 @@ def evaluate_faults(command):
                    ["--memory-size", "100"], ["--prompt-doc", "99"], ["--prompt-tokens", "5"], ["--prompt", ""],
                    ["--seed", "-2"], ["--prompt-file", "/no/such/file"]],
         "reach": [["--distances", "x"], ["--distances", "0,1024"], ["--memory-sizes", "64,100"], ["--docs", "0"],
+                  ["--distances", "64,128,64"], ["--memory-sizes", "64,64"],
                   ["--memory-sizes", str(64 * 2 ** 34)], ["--seed", "-1"]],
         "finetune": [["--steps", "0"], ["--finetune-steps", "x"], ["--preset", "huge"], ["--memory-size", "100"],
                      ["--eval-docs", "0"], ["--segment-length", "100000"], ["--batch-size", "-3"]],

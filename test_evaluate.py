@@ -469,6 +469,21 @@ def test_a_probes_definition_is_in_the_memory_exactly_when_within_reach_says_so(
     assert seen[True] and seen[False]  # both cases occurred
 
 
+def test_reach_takes_distinct_positive_distances_and_memory_sizes(run_dir, capsys):
+    """Each (distance, memory size) is a row of reach's table: a repeated distance or size
+    (once evaluated twice, as rows of the same name) is refused in one line."""
+    import argparse
+
+    assert evaluate.positive_ints("64,1024") == [64, 1024]
+    for text in ("64,64", "0,1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            evaluate.positive_ints(text)
+    for flags in (["--distances", "64,128,64"], ["--memory-sizes", "64,64"]):
+        assert evaluate.main(["reach", run_dir] + flags) == 2
+        err = capsys.readouterr().err
+        assert "names a value twice" in err and err.count("\n") == 1, err
+
+
 def test_reach_writes_far_loss_by_distance_and_memory_size(run_dir, tmp_path, capsys):
     out = tmp_path / "reach.json"
     assert evaluate.main(["reach", run_dir, "--distances", "100,200", "--memory-sizes", "64,256", "--docs", "3",
