@@ -565,7 +565,8 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
         need = 256 + 2 + chars
         why = (f"it needs at least {need} (256 bytes, pad and unk, and its {chars} distinct characters); "
                f"raise --vocab-size" if vocab_size < need else str(e).strip().splitlines()[-1])
-        raise DataError(f"cannot train a tokenizer of {vocab_size} pieces on this corpus: {why}.") from None
+        raise DataError(f"cannot train a tokenizer of {vocab_size} piece{'' if vocab_size == 1 else 's'} on this "
+                        f"corpus: {why}.") from None
     _write_cache(path, lambda f: f.write(model.getvalue()))
     return load_tokenizer(path)
 
@@ -690,8 +691,9 @@ class SegmentBatches:
         if not self.docs:
             raise DataError("no document has the 2 tokens that one prediction needs.")
         if epochs is None and len(self.docs) < batch_size:
-            raise DataError(f"the corpus has {len(self.docs)} documents, fewer than the "
-                            f"{batch_size} batch rows; lower --batch-size or add documents.")
+            n = len(self.docs)
+            raise DataError(f"the corpus has {n} document{'' if n == 1 else 's'}, fewer than the {batch_size} batch "
+                            f"rows; lower --batch-size or add documents.")
         self.B, self.T, self.seed, self.epochs = batch_size, segment_length, seed, epochs
         self.epoch, self.next_doc = 0, 0  # position in the epoch's shuffled order
         self.rows = [None] * batch_size  # per row: [doc index, offset] or None (no document)

@@ -154,7 +154,8 @@ def cmd_perplexity(args):
 def _doc(args, run_args, sp, config):
     docs, refs = validation_docs(args, run_args, sp, config)
     if not 0 <= args.doc < len(docs):
-        raise UsageError(f"--doc {args.doc} is out of range: the validation set has {len(docs)} documents.")
+        raise UsageError(f"--doc {args.doc} is out of range: the validation set has {len(docs)} "
+                         f"document{'' if len(docs) == 1 else 's'}.")
     doc = docs[args.doc][:args.max_tokens + 1] if args.max_tokens else docs[args.doc]
     return doc, refs[args.doc][:len(doc)]
 

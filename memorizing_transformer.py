@@ -94,8 +94,8 @@ class Config:
             object.__setattr__(self, "memory_layers", tuple(self.memory_layers))
         for layer in self.memory_layers:
             if not 0 <= layer < self.num_layers:
-                raise ValueError(f"memory layer index {layer} is out of range for "
-                                 f"{self.num_layers} layers (0-based).")
+                raise ValueError(f"memory layer index {layer} is out of range for {self.num_layers} "
+                                 f"layer{'' if self.num_layers == 1 else 's'} (0-based).")
         if len(set(self.memory_layers)) != len(self.memory_layers):
             raise ValueError(f"memory_layers has a repeated index: {self.memory_layers}.")
         if self.memory_size and not self.memory_layers:

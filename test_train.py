@@ -441,6 +441,8 @@ def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cac
     (["--data", "synthetic:0"], "synthetic:N"),
     (["--d-model", "100"], "must equal d_model (100)"),
     (["--memory-layers", "2"], "memory layer index 2 is out of range for 2 layers"),
+    (["--num-layers", "1", "--memory-layers", "1"], "out of range for 1 layer (0-based)"),  # (once "1 layers")
+    (["--valid-fraction", "0.99"], "the corpus has 1 document, fewer than the 4 batch rows"),
     (["--suffixes", ".py,,.c"], "comma-separated file name endings"),
     (["--suffixes", ".py"], "--suffixes applies to a repository PATH"),
 ])
