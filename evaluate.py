@@ -196,8 +196,6 @@ def cmd_compare(args):
         a, b = (int(x) for x in args.memory_sizes.split(","))
     except ValueError:
         raise UsageError(f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}.") from None
-    if a == b:  # (every difference would be 0)
-        raise UsageError(f"--memory-sizes compares two different sizes A,B, got {args.memory_sizes!r}.")
     # Each size has its own parameters: a memory size of 0 has no gates, a memory one needs them.
     config_a, params_a, sp, run_args = load_run(args.run_dir, a)
     config_b, params_b, _, _ = load_run(args.run_dir, b)
