@@ -509,7 +509,7 @@ def time_rows(args, common, sizes, rows, env):
     return 0
 
 
-def main(argv=None):
+def build_parser():
     import memorizing_transformer as mt
     import train
     p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=train.HelpFormatter)
@@ -544,7 +544,12 @@ def main(argv=None):
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # internal: compile --row's step
     p.add_argument("--alternate", action="store_true", help=argparse.SUPPRESS)  # internal: --rounds in this process
-    return train.run_main(p, benchmark, argv)
+    return p
+
+
+def main(argv=None):
+    import train
+    return train.run_main(build_parser(), benchmark, argv)
 
 
 def benchmark(args):

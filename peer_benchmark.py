@@ -174,7 +174,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
-def main(argv=None):
+def build_parser():
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
@@ -186,6 +186,11 @@ def main(argv=None):
     p.add_argument("--json", help="write the table's rows and both sides' rows of every repeat (each with its "
                    "'repeat') to this file")
     p.add_argument("--peer-row", type=int, help=argparse.SUPPRESS)  # internal: one peer row in this process
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1.")

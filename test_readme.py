@@ -1,0 +1,129 @@
+"""The commands the documentation shows are commands the scripts take.
+
+Every `python SCRIPT.py ...` in README.md (its code blocks and inline code) and in the
+scripts' own usage lines is read here without being run: each flag it names must be one of
+that script's (or that evaluate.py command's) flags, spelled out in full, and a command
+without alternatives (`|`) or elisions (`...`) must parse as a whole, with its placeholders
+(RUN_DIR, M, FILE, ...) read as a value.
+"""
+import ast
+import contextlib
+import io
+import os
+import re
+import shlex
+
+import pytest
+
+import benchmark
+import evaluate
+import peer_benchmark
+import sample
+import train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PARSERS = {"train.py": train.build_parser, "evaluate.py": evaluate.build_parser, "sample.py": sample.build_parser,
+           "benchmark.py": benchmark.build_parser, "peer_benchmark.py": peer_benchmark.build_parser}
+PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9_]*\b")  # RUN_DIR, PATH, M, A,B, FILE(.png)
+
+
+def readme_commands(text):
+    """Every `python X.py ...` of a Markdown text: (line number, command after `python `)."""
+    found = []
+    fenced = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+    for block in fenced.finditer(text):
+        first = text.count("\n", 0, block.start(1)) + 1
+        for i, line in enumerate(block.group(1).splitlines()):
+            found += [(first + i, c) for c in commands_in(line)]
+    rest = fenced.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # keep the line numbers
+    for span in re.finditer(r"(?<!`)`([^`]+)`(?!`)", rest):
+        found += [(rest.count("\n", 0, span.start()) + 1, c) for c in commands_in(span.group(1).replace("\n", " "))]
+    return found
+
+
+def commands_in(line):
+    """The commands in one line of shell: after `python `, up to a `&&`, a `;` or a comment."""
+    return [re.split(r"&&|;|\s#", m.group(1))[0].strip()
+            for m in re.finditer(r"(?<![\w/.-])python3? ((?:[a-z_]+)\.py\b.*)", line)]
+
+
+def usage_commands(script):
+    """The usage lines of a script's docstring."""
+    with open(os.path.join(HERE, script), encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return [(script, c) for line in doc.splitlines() for c in commands_in(line)]
+
+
+def options(parser):
+    return set(parser._option_string_actions)
+
+
+def subcommands(parser):
+    return next(a.choices for a in parser._actions if a.choices and isinstance(a.choices, dict))
+
+
+def check_command(command):
+    """None if `command` (after `python `) names only flags its script takes, else why not."""
+    script, _, rest = command.partition(" ")
+    if script not in PARSERS:
+        return None if script.startswith("test_") else f"{script} is not one of the scripts"
+    parser = PARSERS[script]()
+    words = rest.replace("[", " ").replace("]", " ").split()
+    name, known = script, options(parser)
+    if script == "evaluate.py" and words and not words[0].startswith("-"):
+        if words[0] not in subcommands(parser):
+            return f"evaluate.py has no command {words[0]!r}"
+        name, known = f"{script} {words[0]}", options(subcommands(parser)[words[0]])
+    unknown = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in known]
+    if unknown:
+        return f"{name} has no flag {', '.join(unknown)}"
+    if "|" in rest or "..." in rest or "…" in rest or "-h" in words or "--help" in words:
+        return None  # alternatives, elisions or help: the flags' names are all there is to check
+    argv = shlex.split(PLACEHOLDER.sub("1", rest.replace("[", " ").replace("]", " ")))
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            parser.parse_args(argv)
+    except SystemExit:
+        return f"{script} refuses {' '.join(argv)!r}: {said.getvalue().strip()}"
+    return None
+
+
+def test_the_readme_shows_commands_and_finds_them_all():
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        found = readme_commands(f.read())
+    scripts = {c.split()[0] for _, c in found}
+    assert set(PARSERS) <= scripts, f"the README never shows {set(PARSERS) - scripts}"
+    assert len(found) >= 40
+    # Both kinds of place, and a command whose inline code runs over a line break.
+    text = "a\n```\n$ python train.py --steps 3  # x\npip install -r r.txt && python sample.py R --prompt x\n```\n" \
+           "b `python evaluate.py reach RUN [--distances\n64]` c `train.py` d\n"
+    assert readme_commands(text) == [(3, "train.py --steps 3"), (4, "sample.py R --prompt x"),
+                                     (6, "evaluate.py reach RUN [--distances 64]")]
+
+
+@pytest.mark.parametrize("source", ["README.md"] + sorted(PARSERS))
+def test_every_command_the_documentation_shows_names_flags_the_script_takes(source):
+    if source == "README.md":
+        with open(os.path.join(HERE, source), encoding="utf-8") as f:
+            found = [(f"README.md:{n}", c) for n, c in readme_commands(f.read())]
+    else:
+        found = usage_commands(source)
+        assert found, f"{source}'s docstring shows no usage"
+    wrong = [f"{where}: python {c}: {why}" for where, c in found if (why := check_command(c))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
+    assert check_command("train.py --steps 10 --memory-size 2048") is None
+    assert check_command("evaluate.py perplexity RUN_DIR [--memory-size M] [--json FILE]") is None
+    assert check_command("sample.py RUN --prompt TEXT | --prompt-file F [--tokens N]") is None
+    assert "--memory-sizes" in check_command("train.py --memory-sizes 64")
+    assert "--mem" in check_command("train.py --mem 64")  # an abbreviation that argparse would take
+    assert "--csv" in check_command("evaluate.py perplexity RUN --csv F")  # compare's flag, not perplexity's
+    assert "'perplexty'" in check_command("evaluate.py perplexty RUN")
+    assert "refuses" in check_command("train.py --preset huge")
+    assert "refuses" in check_command("sample.py RUN --prompt x --prompt-doc 0")  # two of one group
+    assert "refuses" in check_command("benchmark.py --steps 0")
+    assert "refuses" in check_command("evaluate.py compare RUN_DIR --doc 1")  # --memory-sizes and --csv are required
+    assert "nothing.py" in check_command("nothing.py --x")
