@@ -669,9 +669,13 @@ def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_do
     assert rows_1 > 0  # the other row keeps its document
 
 
-def test_gradient_accumulation_gives_the_same_step_as_one_big_batch():
+@pytest.mark.parametrize("memory_size,xl_cache", [(16, True), (0, True), (16, False)])
+def test_gradient_accumulation_gives_the_same_step_as_one_big_batch(memory_size, xl_cache):
+    """Also without a memory or an XL cache, whose state arrays then have a length of 0 (their
+    micro-batches were once put back together with a reshape that divides by it)."""
     cfg = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=8,
-                    memory_layers=(1,), memory_size=16, num_neighbors=4, batch_size=4, warmup_steps=1)
+                    memory_layers=(1,), memory_size=memory_size, num_neighbors=4, batch_size=4, warmup_steps=1,
+                    xl_cache=xl_cache)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (4, 8)).astype(np.int32)
     mask = rng.random((4, 8)) < 0.8

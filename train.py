@@ -171,7 +171,7 @@ def make_train_step(config):
 
             zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
             (total, n, grads), states = jax.lax.scan(micro, zeros, (jax.tree.map(split, state), jax.tree.map(split, batch)))
-            state = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), states)
+            state = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), states)  # [A, B/A, ...]
         n = jnp.maximum(n, 1.0)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = opt_update(grads, opt_state, params)
