@@ -296,11 +296,16 @@ def cmd_recall(args):
     for seg, (ra, rx) in enumerate(zip(approx, exact)):
         if seg * T < K:  # fewer than k entries: both return every valid entry
             continue
+        n = min(T, len(doc) - 1 - seg * T)  # the segment's queries; the last one's padding is none
         for la, le in zip(ra, rx):  # memory layers
-            a, b = la["slots"][0].reshape(-1, K), le["slots"][0].reshape(-1, K)  # [H * T, K]
+            a, b = la["slots"][0][:, :n].reshape(-1, K), le["slots"][0][:, :n].reshape(-1, K)  # [H * n, K]
             hits += sum(len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist()))
             total += b.size
     if not total:
+        need = -(-K // T) * T + 1  # the first segment whose queries have K memories, plus a target
+        if args.max_tokens and args.max_tokens < need:
+            raise UsageError(f"--max-tokens {args.max_tokens} is too few: no query had {K} memories to choose "
+                             f"from; give at least {need} (k {K}, T {T}).")
         raise UsageError(f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
                          f"pick a longer one with --doc.")
     bins = mt.bin_layout(K, config.memory_size, config.topk_recall_target)[0]

@@ -298,6 +298,12 @@ def test_recall_on_real_keys_of_a_trained_model_is_high_but_below_one_when_binne
     assert evaluate.main(["recall", run_dir, "--memory-size", "512", "--max-tokens", "600", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["bins"] == 128 and r["retrievals"] > 0  # k = 8: 128 bins of 4 slots
+    # Every query of a segment after the first (T = 32 >= k) counts once a head; the padding of
+    # the last segment does not (it once did, its queries and neighbours included).
+    config, _, sp, run_args = evaluate.load_run(run_dir, 512)
+    doc, _ = evaluate._doc(argparse.Namespace(data=None, data_format=None, doc=0, max_tokens=600), run_args, sp, config)
+    assert (len(doc) - 1) % config.segment_length  # the last segment is padded
+    assert r["retrievals"] == config.num_heads * (len(doc) - 1 - config.segment_length)
     assert 0.8 <= r["recall"] < 1.0
     # The same weights in bfloat16 (keys, queries, memory and scores): still mostly found.
     assert evaluate.main(["recall", run_dir, "--memory-size", "512", "--max-tokens", "600", "--dtype", "bfloat16",
@@ -309,7 +315,8 @@ def test_recall_on_a_document_too_short_to_retrieve_from_is_refused(run_dir, cap
     """One segment (FAST: T = 32) holds no earlier memories: a recall of 0 on 0 queries is no answer."""
     assert evaluate.main(["recall", run_dir, "--max-tokens", "20"]) == 2
     err = capsys.readouterr().err
-    assert "no query had 8 memories" in err and err.count("\n") == 1
+    assert "no query had 8 memories" in err and "give at least 33" in err and err.count("\n") == 1
+    assert evaluate.main(["recall", run_dir, "--max-tokens", "33"]) == 0  # one query in the second segment
 
 
 def test_broken_runs_and_bad_paths_get_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
