@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -293,12 +294,20 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
         if first == 4:
             assert json.loads((out / "config.json").read_text())["config"]["steps"] == 5
     assert run(tmp_path / "bad", cache, "--fresh-start") == 2
-    # The run's model as it is: not a layer more or fewer (once loaded or dropped without a word).
-    for layers, message in ((["--num-layers", "3"], "has no params['layers'][2]['attn_norm']"),
-                            (["--num-layers", "1", "--memory-layers", "0"], "has params['layers'][1]['attn_norm'], "
-                                                                           "which this config has no place for")):
+    # The run's model as it is: not a layer more or fewer (once loaded or dropped without a word),
+    # named by the configs' fields; and by the checkpoint's arrays where a config.json says otherwise.
+    shutil.copytree(tmp_path / "src", tmp_path / "edited")
+    saved = json.loads((tmp_path / "src" / "config.json").read_text())
+    saved["config"]["num_layers"] = 3
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(saved))
+    for src, layers, message in (
+            ("src", ["--num-layers", "3"], "its num_layers 2 (this run: 3)"),
+            ("src", ["--num-layers", "1", "--memory-layers", "0"], "its num_layers 2 (this run: 1)"),
+            ("src", ["--preset", "tiny", "--num-layers", "2", "--memory-layers", "1", "--d-model", "64",
+                     "--head-dim", "16"], "its d_model 128 (this run: 64), head_dim 32 (this run: 16)"),
+            ("edited", ["--num-layers", "3"], "has no params['layers'][2]['attn_norm']")):
         capsys.readouterr()
-        assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / "src"), *layers) == 2
+        assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / src), *layers) == 2
         err = capsys.readouterr().err
         assert message in err and "only memory may be added" in err and err.count("\n") == 1, err
         assert not (tmp_path / "bad").exists()
@@ -308,6 +317,20 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     capsys.readouterr()
     assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / "src"), "--tokenizer", str(other)) == 2
     assert "keeps its run's tokenizer" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_init_from_takes_the_runs_config_and_the_flags_given_change_it(tmp_path, cache):
+    """Without --preset, a fine-tuned run is its source's config (2 layers, T 32, k 8, batch 4:
+    none of them the tiny preset's) with the flags given; it once started from the preset, so
+    that every flag of the source run had to be given again, or the run was refused."""
+    assert run(tmp_path / "src", cache, "--steps", "2", "--memory-size", "0", "--seed", "3") == 0
+    assert train.main(["--data", "synthetic:40", "--eval-docs", "2", "--eval-tokens", "64", "--cache-dir", cache,
+                       "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "src"), "--steps", "1",
+                       "--memory-size", "128", "--num-neighbors", "4"]) == 0
+    source = train.read_run_config(str(tmp_path / "src"))["config"]
+    assert train.read_run_config(str(tmp_path / "ft"))["config"] == source.replace(memory_size=128, num_neighbors=4,
+                                                                                   steps=3)
+    assert source.segment_length != mt.PRESETS["tiny"].segment_length and source.seed == 3
 
 
 def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():

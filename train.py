@@ -383,6 +383,10 @@ def restore_tree(template, arrays, prefix, path, strict=True):
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
+# The config fields that shape the parameters, memory aside: a fine-tuned run keeps its source's.
+MODEL_SHAPE = ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "d_ff", "num_buckets")
+
+
 def check_same_model(params, arrays, path):
     """Fine-tuning (--init-from) takes the source run's model as it is, and may add memory to it
     or drop it (so may evaluate.py): every parameter but a memory layer's gate must be in both
@@ -685,15 +689,18 @@ def memory_layers(text):
         raise UsageError(f"--memory-layers takes comma-separated layer indices, got {text!r}.") from None
 
 
-def config_from_args(args, base=None):
+def config_from_args(args, base=None, base_name=None):
+    """The config the flags give: `base` (default: the --preset; named `base_name` in messages)
+    with every model or training flag that was set."""
     fields = {f.name for f in dataclasses.fields(mt.Config)}
     changes = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if args.memory_layers is not None:
         changes["memory_layers"] = memory_layers(args.memory_layers)
+    base_name = base_name or f"the {args.preset} preset"
     base = base or mt.PRESETS[args.preset]
     n = changes.get("num_layers", base.num_layers)
     if "memory_layers" not in changes and any(layer >= n for layer in base.memory_layers):
-        raise UsageError(f"the {args.preset} preset's memory layer {max(base.memory_layers)} is out of range for "
+        raise UsageError(f"{base_name}'s memory layer {max(base.memory_layers)} is out of range for "
                          f"--num-layers {n}; give --memory-layers too, a 0-based index below {n} (the paper's is "
                          f"near the top: 8 of 12).")
     try:
@@ -704,7 +711,7 @@ def config_from_args(args, base=None):
 
 def build_parser():
     p = Parser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022). A model or training flag left "
-               "unset takes the --preset's value.", formatter_class=HelpFormatter)
+               "unset takes the --preset's value (with --init-from, that run's, unless --preset is given).", formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny",
                    help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
                    "2-layer recipe that learns the synthetic task, README)")
@@ -762,7 +769,9 @@ def build_parser():
                    metavar="RUN_DIR", help="fine-tune another run (Sec. 4.4): its weights, and its "
                    "step count, learning-rate schedule and Adafactor statistics continue, for --steps more steps "
                    "(a different memory size, or a run without memory: new parameters start fresh; the model's "
-                   "layers and widths stay the run's); the data stream starts anew")
+                   "layers and widths must stay the run's); the data stream starts anew. Its config is the new "
+                   "run's, changed by each model or training flag given (with --preset: that preset's, as without "
+                   "--init-from)")
     p.add_argument("--fresh-start", action="store_true", help="with --init-from: take only the weights; the step "
                    "count, the warmup and Adafactor's statistics start from 0")
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between printed lines")
@@ -928,8 +937,7 @@ def run_config(args, given):
     else:
         if holds_run(out):
             raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out.")
-        config = config_from_args(args)
-        tokenizer = args.tokenizer
+        tokenizer, base = args.tokenizer, None
         if args.init_from:
             tokenizer = os.path.join(args.init_from, "tokenizer.model")
             if not os.path.isfile(tokenizer):
@@ -937,6 +945,17 @@ def run_config(args, given):
             if args.tokenizer and os.path.realpath(args.tokenizer) != os.path.realpath(tokenizer):
                 raise UsageError(f"--init-from {args.init_from} keeps its run's tokenizer, whose ids its weights "
                                  f"read; drop --tokenizer {args.tokenizer}.")
+            source = read_run_config(args.init_from)["config"]
+            if "preset" not in given:  # the run's config, as --resume takes it, changed by the flags given
+                base = source
+        config = config_from_args(args, base, f"--init-from {args.init_from}" if base else None)
+        if args.init_from:
+            other = [f"{f} {getattr(source, f)} (this run: {getattr(config, f)})" for f in MODEL_SHAPE
+                     if getattr(source, f) != getattr(config, f)]
+            if other:
+                raise UsageError(f"--init-from {args.init_from} is another model: its {', '.join(other)}; only "
+                                 f"memory may be added to a run's model or dropped from it, so drop or change those "
+                                 f"flags.")
     for path, flag in ((out, "--out"), (args.cache_dir, "--cache-dir")):
         if data.inside_corpus(path, args.data):
             raise UsageError(f"{flag} {path} is inside the corpus --data {args.data}: what the run writes there "
@@ -987,11 +1006,11 @@ def initial_state(config, args, out, stream, documents):
     params, opt_state = fresh()
     if args.init_from:
         path = os.path.join(args.init_from, "checkpoint.npz")
+        source = read_run_config(args.init_from)["config"]
         meta, arrays = load_checkpoint(path)
         check_same_model(params, arrays, path)
         params = restore_tree(params, arrays, "params", path, strict=False)
         if not args.fresh_start:  # fine-tuning continues the schedule and the optimizer (meliad does too)
-            source = read_run_config(args.init_from)["config"]
             return params, restore_optimizer(opt_state, params, arrays, source, path), state, meta["step"]
     return params, opt_state, state, 0
 
