@@ -245,11 +245,15 @@ def losses(out):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache):
-    assert run(tmp_path / "full", cache, "--steps", "8", "--save-every", "100") == 0
-    assert run(tmp_path / "part", cache, "--steps", "3", "--save-every", "100") == 0
-    assert run(tmp_path / "part", cache, "--steps", "8", "--resume") == 0
+    assert run(tmp_path / "full", cache, "--steps", "8", "--save-every", "100", "--eval-every", "4") == 0
+    assert run(tmp_path / "part", cache, "--steps", "3", "--save-every", "100", "--eval-every", "4") == 0
+    # Only --steps: the run's intervals go on (--log-every 1, --eval-every 4), not the defaults
+    # (10 and 500), which once logged step 8 alone.
+    assert train.main(["--out", str(tmp_path / "part"), "--resume", "--steps", "8", "--cache-dir", cache]) == 0
     full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
     assert sorted(part) == list(range(1, 9))
+    with open(tmp_path / "part" / "metrics.jsonl") as f:
+        assert [r["step"] for r in map(json.loads, f) if "eval_loss" in r] == [3, 4, 8]  # 3: the first run's end
     np.testing.assert_allclose([part[s] for s in range(1, 9)], [full[s] for s in range(1, 9)], rtol=1e-6)
     with open(tmp_path / "full" / "eval.json") as f:
         a = json.load(f)

@@ -763,8 +763,9 @@ def build_parser():
     p.add_argument("--out", type=path_arg,
                    help="output directory (default runs/<timestamp>); train.py refuses one that already "
                    "holds a run unless --resume is given")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint (a "
-                   "finished run with its eval.json: nothing to do, unless --steps goes further)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint, with its "
+                   "config, data and intervals (--log-every, --eval-every and --save-every may be given anew); a "
+                   "finished run with its eval.json: nothing to do, unless --steps goes further")
     p.add_argument("--init-from", type=path_arg,
                    metavar="RUN_DIR", help="fine-tune another run (Sec. 4.4): its weights, and its "
                    "step count, learning-rate schedule and Adafactor statistics continue, for --steps more steps "
@@ -931,6 +932,10 @@ def run_config(args, given):
         config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
         for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
             setattr(args, k, saved["args"].get(k))
+        for k in ("log_every", "eval_every", "save_every"):  # the run's intervals, unless given (not the defaults)
+            v = saved["args"].get(k)
+            if k not in given and isinstance(v, int) and not isinstance(v, bool) and v >= (k != "eval_every"):
+                setattr(args, k, v)
         args.min_doc_tokens = args.min_doc_tokens or 0
         check_run_data_here(args.data)
         tokenizer = os.path.join(out, "tokenizer.model")
