@@ -297,16 +297,17 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
         assert int(after["opt['count']"]) == first + 1
         if first == 4:
             assert json.loads((out / "config.json").read_text())["config"]["steps"] == 5
-    # Without --preset, the run's config (2 layers, T 32, k 8, batch 4: none of them tiny's) with
-    # the flags given. It was once the preset's: every flag of the source run had to be given
-    # again, or the run was refused.
-    assert train.main(["--data", "synthetic:40", "--eval-docs", "2", "--eval-tokens", "64", "--cache-dir", cache,
-                       "--out", str(tmp_path / "own"), "--init-from", str(tmp_path / "src"), "--steps", "1",
-                       "--memory-size", "128", "--num-neighbors", "4"]) == 0
-    source = train.read_run_config(str(tmp_path / "src"))["config"]
-    assert source.segment_length != mt.PRESETS["tiny"].segment_length
-    assert train.read_run_config(str(tmp_path / "own"))["config"] == source.replace(memory_size=128, num_neighbors=4,
-                                                                                    steps=4)
+    # Without --preset, the run's config (2 layers, T 32, k 8, batch 4: none of them tiny's) and
+    # data (synthetic:40, 2 documents of 64 tokens to validate on) with the flags given. They
+    # were once the preset's and the defaults: every flag of the source run had to be given
+    # again, or the run was refused, or trained on stdlib.
+    assert train.main(["--cache-dir", cache, "--out", str(tmp_path / "own"), "--init-from", str(tmp_path / "src"),
+                       "--steps", "1", "--memory-size", "128", "--num-neighbors", "4"]) == 0
+    source, own = (train.read_run_config(str(tmp_path / d)) for d in ("src", "own"))
+    assert source["config"].segment_length != mt.PRESETS["tiny"].segment_length
+    assert own["config"] == source["config"].replace(memory_size=128, num_neighbors=4, steps=4)
+    assert {k: own["args"][k] for k in train.RUN_DATA_ARGS} == {k: source["args"][k] for k in train.RUN_DATA_ARGS}
+    assert source["args"]["data"] == "synthetic:40"
     assert run(tmp_path / "bad", cache, "--fresh-start") == 2
     # The run's model as it is: not a layer more or fewer (once loaded or dropped without a word),
     # named by the configs' fields; and by the checkpoint's arrays where a config.json says otherwise.

@@ -402,6 +402,10 @@ def check_same_model(params, arrays, path):
                          f"memory may be added to a run's model or dropped from it.")
 
 
+# The flags that choose a run's data and its validation: --resume takes the run's, and so does
+# --init-from, for each one not given.
+RUN_DATA_ARGS = ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes")
+
 # What a run directory's config.json must hold under "args" (train.py's flags) to be resumed
 # or evaluated, and the type of each.
 RUN_ARGS = {"data": str, "data_format": str, "valid_fraction": float, "eval_docs": int, "eval_tokens": int}
@@ -770,8 +774,8 @@ def build_parser():
                    metavar="RUN_DIR", help="fine-tune another run (Sec. 4.4): its weights, and its "
                    "step count, learning-rate schedule and Adafactor statistics continue, for --steps more steps "
                    "(a different memory size, or a run without memory: new parameters start fresh; the model's "
-                   "layers and widths must stay the run's); the data stream starts anew. Its config is the new "
-                   "run's, changed by each model or training flag given (with --preset: that preset's, as without "
+                   "layers and widths must stay the run's); the data stream starts anew. Its config and data flags "
+                   "are the new run's, changed by each flag given (with --preset: that preset's config, as without "
                    "--init-from)")
     p.add_argument("--fresh-start", action="store_true", help="with --init-from: take only the weights; the step "
                    "count, the warmup and Adafactor's statistics start from 0")
@@ -930,7 +934,7 @@ def run_config(args, given):
         saved = read_run_config(out)
         check_resume_flags(args, saved, out, given)
         config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
-        for k in ("data", "data_format", "eval_docs", "eval_tokens", "valid_fraction", "min_doc_tokens", "suffixes"):
+        for k in RUN_DATA_ARGS:
             setattr(args, k, saved["args"].get(k))
         for k in ("log_every", "eval_every", "save_every"):  # the run's intervals, unless given (not the defaults)
             v = saved["args"].get(k)
@@ -950,9 +954,16 @@ def run_config(args, given):
             if args.tokenizer and os.path.realpath(args.tokenizer) != os.path.realpath(tokenizer):
                 raise UsageError(f"--init-from {args.init_from} keeps its run's tokenizer, whose ids its weights "
                                  f"read; drop --tokenizer {args.tokenizer}.")
-            source = read_run_config(args.init_from)["config"]
+            saved = read_run_config(args.init_from)
+            source = saved["config"]
             if "preset" not in given:  # the run's config, as --resume takes it, changed by the flags given
                 base = source
+            for k in RUN_DATA_ARGS:  # and its data, unless given
+                if k not in given and k in saved["args"]:
+                    setattr(args, k, saved["args"][k])
+            args.min_doc_tokens = args.min_doc_tokens or 0
+            if "data" not in given:
+                check_run_data_here(args.data)
         config = config_from_args(args, base, f"--init-from {args.init_from}" if base else None)
         if args.init_from:
             other = [f"{f} {getattr(source, f)} (this run: {getattr(config, f)})" for f in MODEL_SHAPE
