@@ -715,7 +715,8 @@ def config_from_args(args, base=None, base_name=None):
 
 def build_parser():
     p = Parser(description="Train a Memorizing Transformer (Wu et al., ICLR 2022). A model or training flag left "
-               "unset takes the --preset's value (with --init-from, that run's, unless --preset is given).", formatter_class=HelpFormatter)
+               "unset takes the --preset's value (with --init-from, that run's, unless --preset is given).",
+               formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny",
                    help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
                    "2-layer recipe that learns the synthetic task, README)")
@@ -936,9 +937,9 @@ def run_config(args, given):
         config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
         for k in RUN_DATA_ARGS:
             setattr(args, k, saved["args"].get(k))
-        for k in ("log_every", "eval_every", "save_every"):  # the run's intervals, unless given (not the defaults)
+        for k, least in (("log_every", 1), ("eval_every", 0), ("save_every", 1)):  # the run's, unless given
             v = saved["args"].get(k)
-            if k not in given and isinstance(v, int) and not isinstance(v, bool) and v >= (k != "eval_every"):
+            if k not in given and isinstance(v, int) and not isinstance(v, bool) and v >= least:
                 setattr(args, k, v)
         args.min_doc_tokens = args.min_doc_tokens or 0
         check_run_data_here(args.data)
@@ -1022,11 +1023,11 @@ def initial_state(config, args, out, stream, documents):
     params, opt_state = fresh()
     if args.init_from:
         path = os.path.join(args.init_from, "checkpoint.npz")
-        source = read_run_config(args.init_from)["config"]
         meta, arrays = load_checkpoint(path)
         check_same_model(params, arrays, path)
         params = restore_tree(params, arrays, "params", path, strict=False)
         if not args.fresh_start:  # fine-tuning continues the schedule and the optimizer (meliad does too)
+            source = read_run_config(args.init_from)["config"]
             return params, restore_optimizer(opt_state, params, arrays, source, path), state, meta["step"]
     return params, opt_state, state, 0
 
