@@ -505,7 +505,7 @@ def time_rows(args, common, sizes, rows, env):
             return code
         for r in rows:
             r.update(paired[str(r["memory_size"])])
-        print(f"alternated: {args.rounds} rounds", file=sys.stderr)
+        print(f"alternated: {train.plural(args.rounds, 'round')}", file=sys.stderr)
     return 0
 
 
@@ -636,7 +636,7 @@ def benchmark(args):
     c = base
     print(f"device: {rows[0]['device']} | preset {args.preset}: {c.num_layers} layers, d_model {c.d_model}, "
           f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
-          f"{rows[-1]['memory_dtype']}, {args.attention} attention, median of {args.steps} steps")
+          f"{rows[-1]['memory_dtype']}, {args.attention} attention, median of {train.plural(args.steps, 'step')}")
     fmt = lambda x: "-" if x is None else f"{x:.3f}"
     fmt4 = lambda x: "-" if x is None else f"{x:.4f}"
     print("\ntrain step")
@@ -654,7 +654,7 @@ def benchmark(args):
               f"--memory-sizes has no 0 (no memory, the baseline)")
     print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
     if args.rounds:
-        print(f"paired: median over {args.rounds} rounds, the rows' steps called in turn in one process, of each "
+        print(f"paired: median over {train.plural(args.rounds, 'round')}, the rows' steps called in turn in one process, of each "
               f"step's time over the no-memory step's in the same round (min, max); /floor: paired over floor")
     if not args.train_only:
         print("\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it differentiates")

@@ -137,7 +137,7 @@ def cmd_perplexity(args):
     distances = [data.reference_distances(d, r) for d, r in zip(docs, refs)] if any(r.any() for r in refs) else None
     result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk,
               **train.full_evaluation(params, config, docs, distances, train.make_eval_step(train.step_config(config)))}
-    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {result['tokens']} tokens)"
+    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {train.plural(result['tokens'], 'token')})"
     if config.active_memory_layers:
         line += f" | memory off: {result['perplexity_memory_off']:.3f}"
     print(f"memory {config.memory_size}{', exact top-k' if config.exact_topk else ''}: {line}")
@@ -154,8 +154,8 @@ def cmd_perplexity(args):
 def _doc(args, run_args, sp, config):
     docs, refs = validation_docs(args, run_args, sp, config)
     if not 0 <= args.doc < len(docs):
-        raise UsageError(f"--doc {args.doc} is out of range: the validation set has {len(docs)} "
-                         f"document{'' if len(docs) == 1 else 's'}.")
+        raise UsageError(f"--doc {args.doc} is out of range: the validation set has "
+                         f"{train.plural(len(docs), 'document')}.")
     doc = docs[args.doc][:args.max_tokens + 1] if args.max_tokens else docs[args.doc]
     return doc, refs[args.doc][:len(doc)]
 
@@ -518,8 +518,8 @@ def cmd_reach(args):
             x = rows[-1]
             print(f"{D:>8} {m:>7} {x['in_reach']:>9.0%} {x['far_loss']:>9.3f} {x['far_loss_memory_off']:>11.3f} "
                   f"{x['tokens']:>7} {x['mean_distance']:>14.1f} {x['seconds']:>8.1f}", flush=True)
-    print(f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in {args.docs} "
-          f"documents per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
+    print(f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in "
+          f"{train.plural(args.docs, 'document')} per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
           f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) holds.")
     if args.json:
         train.write_output(args.json, train.json_text(rows))

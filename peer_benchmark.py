@@ -226,6 +226,7 @@ def main(argv=None):
 
 def side_by_side_command(args, sizes):
     """Both sides, --repeats times, then the table (and --json)."""
+    import train
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     code, _, err = run_child([args.peer_python, "-c", "import " + ", ".join(PEER_PACKAGES)], env=env)
     peer = not code
@@ -249,7 +250,7 @@ def side_by_side_command(args, sizes):
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
     first = ours_runs[0][sizes[0]]
     spread = args.repeats > 1
-    print(f"\nside by side, {first['device']}, median of {args.steps} steps"
+    print(f"\nside by side, {first['device']}, median of {train.plural(args.steps, 'step')}"
           + (f", median of {args.repeats} repeats" if spread else "")
           + (f"; peer: torch {theirs_runs[0][sizes[0]]['torch']}, {theirs_runs[0][sizes[0]]['threads']} threads"
              if peer else ""))
@@ -269,7 +270,6 @@ def side_by_side_command(args, sizes):
                   + (f" (each repeat: {', '.join(f'{x:.3f}' for x in r['grad_over_forward_by_repeat'])})"
                      if spread else ""))
     if args.json:
-        import train
         tag = lambda runs: [dict(row, repeat=i) for i, run in enumerate(runs) for row in run.values()]
         train.write_output(args.json, train.json_text({"repeats": args.repeats, "rows": rows,
                                                        "ours": tag(ours_runs), "theirs": tag(theirs_runs)}))

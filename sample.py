@@ -168,7 +168,7 @@ def sample(args):
         docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
         if args.prompt_doc >= len(docs):
             raise train.UsageError(f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
-                                   f"{len(docs)} document{'' if len(docs) == 1 else 's'}.")
+                                   f"{train.plural(len(docs), 'document')}.")
         prompt = [int(t) for t in docs[args.prompt_doc][:args.prompt_tokens]]
     else:
         prompt = sp.encode(text)

@@ -41,6 +41,7 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(toy_benchma
     device = "CPU" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
     assert f"device: {device}" in proc.stdout and "train step" in proc.stdout and "forward pass" in proc.stdout
     assert "over the first row" not in proc.stdout  # size 0 is the baseline
+    assert "median of 1 step\n" in proc.stdout  # (once "1 steps")
 
 
 @early

@@ -498,7 +498,9 @@ def test_reach_writes_far_loss_by_distance_and_memory_size(run_dir, tmp_path, ca
                           "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["distance"], r["memory_size"]) for r in rows] == [(100, 64), (100, 256), (200, 64), (200, 256)]
-    assert "far loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "far loss" in printed and "in 3 documents per distance" in printed
+    assert train.plural(1, "document") == "1 document" and train.plural(0, "step") == "0 steps"
     config, params, sp, _ = evaluate.load_run(run_dir)
     for r in rows:
         assert {"far_loss", "far_loss_memory_off", "tokens", "in_reach", "mean_distance"} <= set(r)

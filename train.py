@@ -263,6 +263,11 @@ def atomic_write(path, content):
             os.remove(tmp)
 
 
+def plural(n, word):
+    """'1 step', '2 steps': a count and its noun, for printed lines."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def json_text(obj):
     """The text of a JSON file we write: indented, and ending in a newline like any text file
     (`--json /dev/stdout` then leaves the shell's prompt on a line of its own)."""
