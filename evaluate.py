@@ -54,8 +54,8 @@ def load_run(run_dir, memory_size=None):
     if memory_size is not None:
         try:
             config = config.replace(memory_size=memory_size)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        except ValueError as e:  # the flag named: the config's words alone (num_neighbors, ...) are the run's
+            raise UsageError(f"memory size {memory_size} does not fit the run in {run_dir}: {e}") from None
     train.check_fits(config, 1)
     sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))
     if sp.get_piece_size() > config.vocab_size:

@@ -330,6 +330,8 @@ def test_broken_runs_and_bad_paths_get_one_sentence_and_exit_code_2(tmp_path, ru
         (["perplexity", str(broken)], "truncated or corrupt"),
         (["perplexity", run_dir, "--json", str(tmp_path / "no" / "dir.json")], "cannot write"),
         (["perplexity", run_dir, "--memory-size", "-32"], "must not be negative"),
+        (["perplexity", run_dir, "--memory-size", "16"], "memory size 16 does not fit the run in"),  # T = 32
+        (["compare", run_dir, "--memory-sizes", "0,4", "--csv", str(tmp_path / "c.csv")], "memory size 4 does not fit"),
         (["perplexity", run_dir, "--eval-docs", "0"], "must be positive"),
         (["inspect", run_dir, "--max-tokens", "-1"], "must not be negative"),
         (["perplexity", run_dir, "--data", str(tmp_path / "missing")], "does not exist"),
