@@ -434,6 +434,9 @@ def inside_corpus(path, source):
     return rel == os.curdir or (parts[0] != os.pardir and not any(map(_skipped, parts)))
 
 
+SYNTHETIC_MAX_DOCS = 1_000_000
+
+
 def is_synthetic(source):
     """`--data synthetic` or `synthetic:N`: generated, not read from a path."""
     return source == "synthetic" or source.startswith("synthetic:")
@@ -491,6 +494,9 @@ def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
         count = source.partition(":")[2] or "4000"
         if not (count.isdigit() and int(count) > 0):
             raise DataError(f"--data {source!r}: write synthetic or synthetic:N with N a positive integer.")
+        if int(count) > SYNTHETIC_MAX_DOCS:  # (generated in memory, 2 ms and 3 KB of text each: it once ran forever)
+            raise DataError(f"--data {source!r}: synthetic:N makes at most {SYNTHETIC_MAX_DOCS} documents (about "
+                            f"3 GB of text, half an hour to generate).")
         docs = synthetic_documents(int(count), seed=seed)
     else:
         if not os.path.exists(source):

@@ -483,8 +483,8 @@ def test_synthetic_long_probes_sit_distance_tokens_after_their_only_definition(d
 
 def test_synthetic_corpus_size_is_part_of_the_data_name():
     assert len(data.load_documents("synthetic:7", verbose=False)) == 7
-    for bad in ("synthetic:0", "synthetic:x"):
-        with pytest.raises(data.DataError, match="synthetic:N"):
+    for bad in ("synthetic:0", "synthetic:x", "synthetic:1000001", "synthetic:99999999999"):
+        with pytest.raises(data.DataError, match="synthetic:N"):  # the large ones at once, not generated
             data.load_documents(bad, verbose=False)
 
 
