@@ -479,6 +479,7 @@ def time_rows(args, common, sizes, rows, env):
     """Each row timed in its own process, one after another (after compiling them all ahead,
     --compile-jobs), then the rounds (--rounds); the rows are appended to `rows`. Returns 0, or
     the exit code to leave with."""
+    import train
     ahead = {}
     if args.compile_jobs > 1:
         t0 = time.perf_counter()
