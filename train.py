@@ -741,7 +741,7 @@ def build_parser():
     p.add_argument("--head-dim", type=positive_int, help="dimension D of each head")
     p.add_argument("--d-ff", type=positive_int, help="hidden width F of the feed-forward blocks")
     p.add_argument("--steps", type=positive_int, help="training steps (preset's value if unset); with --resume, "
-                   "the step to train to")
+                   "the step to train to; with --init-from, the steps to add (unset: the run's config's count)")
     p.add_argument("--batch-size", type=positive_int, help="batch rows; each row streams documents in order")
     p.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (rows are split between them)")
     p.add_argument("--segment-length", type=positive_int, help="tokens per segment T (also the XL cache length)")
