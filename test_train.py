@@ -311,16 +311,19 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     assert run(tmp_path / "bad", cache, "--fresh-start") == 2
     # The run's model as it is: not a layer more or fewer (once loaded or dropped without a word),
     # named by the configs' fields; and by the checkpoint's arrays where a config.json says otherwise.
-    shutil.copytree(tmp_path / "src", tmp_path / "edited")
-    saved = json.loads((tmp_path / "src" / "config.json").read_text())
-    saved["config"]["num_layers"] = 3
-    (tmp_path / "edited" / "config.json").write_text(json.dumps(saved))
+    for name, layers, memory_layers in (("edited", 3, [1]), ("edited_fewer", 1, [0])):
+        shutil.copytree(tmp_path / "src", tmp_path / name)
+        saved = json.loads((tmp_path / "src" / "config.json").read_text())
+        saved["config"].update(num_layers=layers, memory_layers=memory_layers)
+        (tmp_path / name / "config.json").write_text(json.dumps(saved))
     for src, layers, message in (
             ("src", ["--num-layers", "3"], "its num_layers 2 (this run: 3)"),
             ("src", ["--num-layers", "1", "--memory-layers", "0"], "its num_layers 2 (this run: 1)"),
             ("src", ["--preset", "tiny", "--num-layers", "2", "--memory-layers", "1", "--d-model", "64",
                      "--head-dim", "16"], "its d_model 128 (this run: 64), head_dim 32 (this run: 16)"),
-            ("edited", ["--num-layers", "3"], "has no params['layers'][2]['attn_norm']")):
+            ("edited", ["--num-layers", "3"], "has no params['layers'][2]['attn_norm']"),
+            ("edited_fewer", ["--num-layers", "1", "--memory-layers", "0"],
+             "has params['layers'][1]['attn_norm'], which this config has no place for")):
         capsys.readouterr()
         assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / src), *layers) == 2
         err = capsys.readouterr().err
