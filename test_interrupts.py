@@ -3,6 +3,7 @@ moments of each command, with no child process left behind; a reader of stdout t
 reading; a path that is not UTF-8 under a strict locale; a JAX backend that cannot start;
 a device out of memory. (Split from test_cli.py, whose bad-input tests these complement.)
 """
+import contextlib
 import json
 import os
 import signal
@@ -54,17 +55,19 @@ def interrupted_train_runs(tmp):
     left (whether an eval.json, its checkpoint's step), the resumed process and the run's directory."""
     endings, cache = [], str(tmp / "cache")
     for delay in (0.2, 2.0):
-        proc = launch("train.py", FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache], job_env())
-        wait_until_jax_loads(proc)
-        time.sleep(delay)
+        with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache],
+                                       job_env())) as proc:
+            wait_until_jax_loads(proc)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            endings.append(ending(proc))
+    with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", cache, "--steps", "2",
+                                                       "--valid-fraction", "0.5", "--eval-docs", "20", "--eval-tokens",
+                                                       "2000"], job_env())) as proc:
+        wait_for_line(proc, "step      2")
+        time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
         proc.send_signal(signal.SIGINT)
         endings.append(ending(proc))
-    proc = launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", cache, "--steps", "2", "--valid-fraction",
-                                      "0.5", "--eval-docs", "20", "--eval-tokens", "2000"], job_env())
-    wait_for_line(proc, "step      2")
-    time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
-    proc.send_signal(signal.SIGINT)
-    endings.append(ending(proc))
     run = tmp / "run"
     left = {"eval.json": (run / "eval.json").exists(), "step": train.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"]}
     resumed = subprocess.run([sys.executable, "train.py", "--out", str(run), "--resume", "--cache-dir", cache], cwd=HERE,
@@ -89,7 +92,7 @@ def children(pid):
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return f.read().split()
-    except FileNotFoundError:  # it has ended
+    except (FileNotFoundError, ProcessLookupError):  # it has ended (before the open, or after it)
         return []
 
 
@@ -97,7 +100,7 @@ def cmdline(pid):
     try:
         with open(f"/proc/{pid}/cmdline") as f:
             return f.read()
-    except FileNotFoundError:  # it has ended
+    except (FileNotFoundError, ProcessLookupError):  # it has ended (before the open, or after it)
         return ""
 
 
@@ -106,30 +109,56 @@ def running(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def descendants(pid):
+    kids = children(pid)
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+@contextlib.contextmanager
+def stopped_at_the_end(proc):
+    """Kills proc and every process below it at the end, if they still run: a test that fails
+    midway leaves no command behind it (a benchmark.py row once ran on, taking both cores, for
+    the rest of the suite)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:  # not yet waited for: its pid, and its children's, are still its own
+            kill([proc.pid] + descendants(proc.pid))
+            proc.wait(timeout=120)
+
+
+def kill(pids):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):
     """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it."""
-    proc = launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0",
-                                  "--csv", str(tmp_path / "c.csv")])
-    wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
-    proc.send_signal(signal.SIGTERM)
-    assert_interrupted(*ending(proc))
+    with stopped_at_the_end(launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128",
+                                                   "--max-tokens", "0", "--csv", str(tmp_path / "c.csv")])) as proc:
+        wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
+        proc.send_signal(signal.SIGTERM)
+        assert_interrupted(*ending(proc))
     assert not (tmp_path / "c.csv").exists()
-    proc = launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
-    for _ in range(200):
-        kids = children(proc.pid)
-        if kids:
-            break
-        time.sleep(0.05)
-    assert kids, "benchmark.py started no row process"
-    time.sleep(2)
-    proc.send_signal(signal.SIGTERM)
-    assert_interrupted(*ending(proc))
+    with stopped_at_the_end(launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])) as proc:
+        for _ in range(200):
+            kids = children(proc.pid)
+            if kids:
+                break
+            time.sleep(0.05)
+        assert kids, "benchmark.py started no row process"
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        assert_interrupted(*ending(proc))
     time.sleep(0.5)
-    assert not any(running(k) for k in kids), "a row process outlived benchmark.py"
+    left = [k for k in kids if running(k)]
+    kill(left)
+    assert not left, "a row process outlived benchmark.py"
 
 
 @early
@@ -137,18 +166,21 @@ def peer_benchmark_stopped(tmp):
     """SIGTERM to peer_benchmark.py once its benchmark.py child has started its row process:
     (its exit code, its stderr, the pids of that child and grandchild, which of them still run
     half a second later)."""
-    proc = launch("peer_benchmark.py", ["--memory-sizes", "0", "--steps", "1000", "--peer-python", sys.executable],
-                  job_env())  # this Python has no torch: the peer is skipped, and our rows run
-    found, deadline = [], time.time() + 120
-    while len(found) < 2 and time.time() < deadline and proc.poll() is None:
-        kids = [k for k in children(proc.pid) if "benchmark.py" in cmdline(k)]
-        found = kids[:1] + (children(kids[0])[:1] if kids else [])
-        time.sleep(0.05)
-    time.sleep(1)
-    proc.send_signal(signal.SIGTERM)
-    code, err = ending(proc)
+    with stopped_at_the_end(launch("peer_benchmark.py", ["--memory-sizes", "0", "--steps", "1000", "--peer-python",
+                                                         sys.executable], job_env())) as proc:
+        # (this Python has no torch: the peer is skipped, and our rows run)
+        found, deadline = [], time.time() + 120
+        while len(found) < 2 and time.time() < deadline and proc.poll() is None:
+            kids = [k for k in children(proc.pid) if "benchmark.py" in cmdline(k)]
+            found = kids[:1] + (children(kids[0])[:1] if kids else [])
+            time.sleep(0.05)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        code, err = ending(proc)
     time.sleep(0.5)
-    return code, err, found, [k for k in found if running(k)]
+    left = [k for k in found if running(k)]
+    kill(left)
+    return code, err, found, left
 
 
 def test_sigterm_stops_peer_benchmark_and_its_benchmark_and_row_processes(peer_benchmark_stopped):
@@ -212,3 +244,22 @@ def test_out_of_device_memory_is_one_line_and_other_runtime_errors_are_not_hidde
     for error in (jax.errors.JaxRuntimeError("INTERNAL: a bug"), RuntimeError("a bug"), AssertionError("a bug")):
         with pytest.raises(type(error), match="a bug"):  # a bug of ours stays a traceback
             train.run_command(raising(error), None)
+
+
+def test_an_empty_compilation_cache_entry_left_by_an_interrupt_is_compiled_anew_without_a_warning(tmp_path):
+    """Ctrl-C while JAX writes an entry of train.py's compilation cache (after it opened the file,
+    before it wrote it) left an empty file. JAX never rewrites an entry that exists, so every
+    later run warned that it could not read it (two lines on stderr) and compiled that program
+    again; the suite once caught this in the interrupted runs above."""
+    child = ("import sys, jax, train; train.use_compilation_cache(sys.argv[1]); "
+             "print(float(jax.jit(lambda x: x * 3 + 1)(2.0)))")
+    run = lambda: subprocess.run([sys.executable, "-c", child, str(tmp_path)], cwd=HERE, capture_output=True,
+                                 text=True, env=job_env(), timeout=120)
+    first = run()
+    assert (first.returncode, first.stdout, first.stderr) == (0, "7.0\n", "")
+    entries = [p for p in (tmp_path / "jax").iterdir() if p.name.startswith("jit__lambda") and p.name.endswith("-cache")]
+    assert len(entries) == 1 and entries[0].stat().st_size > 0
+    entries[0].write_bytes(b"")  # as an interrupted write leaves it
+    again = run()
+    assert (again.returncode, again.stdout, again.stderr) == (0, "7.0\n", "")
+    assert entries[0].stat().st_size > 0  # written anew: the next run loads it

@@ -1117,6 +1117,18 @@ def finished(out, step):
     return bool(ev) and ev.get("step") == step and isinstance(ev.get("perplexity"), float)
 
 
+def drop_empty_cache_entries(path):
+    """Remove the empty entries of the compilation cache in path. JAX writes an entry in place,
+    opening its file and then writing it: a run interrupted between the two (Ctrl-C while
+    compiling) leaves an empty file, which every later run failed to read, warned about (two
+    lines on stderr) and compiled anew, since JAX never rewrites an entry that exists."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(path):
+            if entry.name.endswith("-cache") and entry.is_file() and entry.stat().st_size == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
+
+
 def use_compilation_cache(cache_dir):
     """Keep the compiled programs in cache_dir/jax (JAX's persistent compilation cache), unless
     JAX_COMPILATION_CACHE_DIR already names a cache. A later run with the same config loads its
@@ -1124,6 +1136,7 @@ def use_compilation_cache(cache_dir):
     do). A run with the cache warm gives the same numbers to the last digit."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return
+    drop_empty_cache_entries(os.path.join(cache_dir, "jax"))
     jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir, "jax"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # all of them: no compiling at all
 
