@@ -244,12 +244,15 @@ def losses(out):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache):
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache, monkeypatch):
     assert run(tmp_path / "full", cache, "--steps", "8", "--save-every", "100", "--eval-every", "4") == 0
     assert run(tmp_path / "part", cache, "--steps", "3", "--save-every", "100", "--eval-every", "4") == 0
     # Only --steps: the run's intervals go on (--log-every 1, --eval-every 4), not the defaults
-    # (10 and 500), which once logged step 8 alone.
-    assert train.main(["--out", str(tmp_path / "part"), "--resume", "--steps", "8", "--cache-dir", cache]) == 0
+    # (10 and 500), which once logged step 8 alone; and its --cache-dir, not the default .cache,
+    # where its data were once tokenized again.
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--out", str(tmp_path / "part"), "--resume", "--steps", "8"]) == 0
+    assert not (tmp_path / ".cache").exists()
     full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
     assert sorted(part) == list(range(1, 9))
     with open(tmp_path / "part" / "metrics.jsonl") as f:

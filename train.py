@@ -797,7 +797,8 @@ def build_parser():
     p.add_argument("--cache-dir", type=path_arg,
                    default=os.environ.get("MT_CACHE") or ".cache", help="tokenizer and token cache "
                    "(keyed on the corpus, the vocabulary size and the validation split), and in its jax/ folder the "
-                   "compiled programs, which a later run with the same config loads instead of compiling")
+                   "compiled programs, which a later run with the same config loads instead of compiling (--resume: "
+                   "the run's, if it still exists)")
     return p
 
 
@@ -946,6 +947,9 @@ def run_config(args, given):
             v = saved["args"].get(k)
             if k not in given and isinstance(v, int) and not isinstance(v, bool) and v >= least:
                 setattr(args, k, v)
+        v = saved["args"].get("cache_dir")  # and its cache, unless given or gone (a run moved elsewhere)
+        if "cache_dir" not in given and isinstance(v, str) and v and os.path.isdir(v):
+            args.cache_dir = v
         args.min_doc_tokens = args.min_doc_tokens or 0
         check_run_data_here(args.data)
         tokenizer = os.path.join(out, "tokenizer.model")
