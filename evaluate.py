@@ -476,9 +476,17 @@ def within_reach(key_pos, query_pos, config):
     return back <= max(memory, 1 if config.xl_cache else 0)
 
 
+REACH_MAX_TOKENS = 20_000_000  # 30x reach's defaults; on a CPU each memory size evaluates some 10^4 tokens/s
+
+
 def cmd_reach(args):
     """Sec. 4.4: one model, memories of several sizes, references D tokens back. The probes'
     loss is low where the memory holds the definition, and at chance where it does not."""
+    probe_tokens = args.docs * sum(args.distances)  # about: each document is its distance and ~100 tokens more
+    if probe_tokens > REACH_MAX_TOKENS:  # (generated in memory before the first row: it once ran without end)
+        raise UsageError(f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for about "
+                         f"{probe_tokens:,} tokens of probe documents; reach makes at most {REACH_MAX_TOKENS:,} "
+                         f"(its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,}).")
     config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0])
     if args.exact_topk is not None:
         config = config.replace(exact_topk=args.exact_topk)

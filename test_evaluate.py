@@ -529,7 +529,10 @@ def test_reach_refuses_bad_input_in_one_sentence(run_dir, tmp_path, capsys):
     for argv, message in [(["--distances", "100,x"], "comma-separated integers"),
                           (["--distances", "0"], "positive integers"),
                           (["--memory-sizes", "64,100"], "multiple of segment_length"),
-                          (["--docs", "0"], "must be positive")]:
+                          (["--docs", "0"], "must be positive"),
+                          # (documents made in memory: these once ran without end)
+                          (["--docs", "1000000"], "ask for about 82,944,000,000 tokens of probe documents"),
+                          (["--docs", "1", "--distances", "30000000"], "reach makes at most 20,000,000")]:
         assert evaluate.main(["reach", run_dir] + argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (argv, err)
