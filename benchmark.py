@@ -570,7 +570,7 @@ def benchmark(args):
         try:
             config = base.replace(memory_size=m, batch_size=batch, grad_accum=1, dtype=args.dtype)
         except ValueError as e:
-            raise train.UsageError(str(e)) from None
+            raise train.UsageError(f"--memory-sizes {m}: {e}") from None
         train.check_fits(config, batch)
     if args.search and (args.train_only or args.profile):
         raise train.UsageError("--search times the search alone: it cannot be combined with --train-only or --profile.")

@@ -501,6 +501,8 @@ def test_help_gives_every_default_and_never_none(capsys, script, argv):
     ("train", ["--vocab-size", "10"], "cannot train a tokenizer of 10 pieces"),
     ("evaluate", ["table", "--segment-length", "100000"], "GiB for its parameters"),
     ("benchmark", ["--memory-sizes", "0,17179869184"], "GiB for its parameters"),
+    # (the size was not named: only the config's words, "memory_size (100) must be ...")
+    ("benchmark", ["--memory-sizes", "0,100"], "--memory-sizes 100: memory_size (100) must be a multiple of"),
     ("train", ["--memory-layers", ","], "names no layer"),  # was a memory run without a memory layer
     ("evaluate", ["table", "--rows", ""], "names no row"),  # was every row
     ("sample", ["--prompt", "\udcff\udcfe"], "--prompt is not UTF-8 text"),  # bytes 0xff 0xfe from a shell
