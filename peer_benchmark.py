@@ -277,4 +277,7 @@ def side_by_side_command(args, sizes):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "train" in sys.modules:  # our side leaves as every script here does (a peer row has no JAX, no train)
+        sys.modules["train"].exit_with(code)
+    sys.exit(code)
