@@ -693,7 +693,7 @@ def exit_with(code):
         code = code or gone  # a failure keeps its own code
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
-    os._exit(code)
+    os._exit(code or 0)  # (None is 0, as for sys.exit)
 
 
 # ----------------------------------------------------------------------------- the run
