@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -249,8 +250,11 @@ def atomic_write(path, content):
     """Write `content` (bytes, str, or a function that writes to a binary file) to `path`
     whole or not at all: into a temporary file beside it, then a rename over the old one. A
     kill leaves the old file; a path read to make the content is read before it is replaced.
-    The file gets the permissions of any new file (the umask), not a temporary file's 0600."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    The file gets the permissions of any new file (the umask), not a temporary file's 0600.
+    The temporary file is hidden and named after path (.NAME.XXXXXXXX.partial), so that the
+    one a kill leaves can be told apart: see drop_partial_files."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
+                               suffix=".partial")
     try:
         with _naming(path), os.fdopen(fd, "wb") as f:
             _write_content(f, content)
@@ -261,6 +265,18 @@ def atomic_write(path, content):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def drop_partial_files(out):
+    """Remove from the run directory `out` the temporary files of its files' atomic writes that
+    a kill (SIGKILL, a power cut) left: a checkpoint's is the checkpoint's size, and each kill
+    during a save left one more (two in eight kills of a run that saved every step). Also those
+    of the older name, tmpXXXXXXXX.tmp. Only for a directory whose lock this process holds."""
+    ours = re.compile(r"\.(%s)\.[A-Za-z0-9_]{8}\.partial|tmp[a-z0-9_]{8}\.tmp" % "|".join(map(re.escape, RUN_FILES)))
+    for entry in os.scandir(out):
+        if ours.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(entry.path)
 
 
 def plural(n, word):
@@ -1178,6 +1194,7 @@ def _train(args, given, held):
         lock_run_dir(out, held)
     if not args.resume and holds_run(out):
         raise UsageError(f"{out} already holds a run, which another train.py started meanwhile; choose another --out.")
+    drop_partial_files(out)
     write_run_files(out, args, config, tok_path, step)
     params, opt_state, state, place = distribute(params, opt_state, state)
     train_step, eval_step = make_train_step(step_config(config)), make_eval_step(step_config(config))
