@@ -267,16 +267,22 @@ def atomic_write(path, content):
             os.remove(tmp)
 
 
+def remove_files(folder, which):
+    """Remove the plain files of `folder` (none if it is gone) whose os.DirEntry `which` takes."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(folder):
+            if entry.is_file(follow_symlinks=False) and which(entry):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
+
+
 def drop_partial_files(out):
     """Remove from the run directory `out` the temporary files of its files' atomic writes that
     a kill (SIGKILL, a power cut) left: a checkpoint's is the checkpoint's size, and each kill
     during a save left one more (two in eight kills of a run that saved every step). Also those
     of the older name, tmpXXXXXXXX.tmp. Only for a directory whose lock this process holds."""
     ours = re.compile(r"\.(%s)\.[A-Za-z0-9_]{8}\.partial|tmp[a-z0-9_]{8}\.tmp" % "|".join(map(re.escape, RUN_FILES)))
-    for entry in os.scandir(out):
-        if ours.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(entry.path)
+    remove_files(out, lambda entry: ours.fullmatch(entry.name))
 
 
 def plural(n, word):
@@ -1149,11 +1155,7 @@ def drop_empty_cache_entries(path):
     opening its file and then writing it: a run interrupted between the two (Ctrl-C while
     compiling) leaves an empty file, which every later run failed to read, warned about (two
     lines on stderr) and compiled anew, since JAX never rewrites an entry that exists."""
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for entry in os.scandir(path):
-            if entry.name.endswith("-cache") and entry.is_file() and entry.stat().st_size == 0:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(entry.path)
+    remove_files(path, lambda entry: entry.name.endswith("-cache") and entry.stat().st_size == 0)
 
 
 def use_compilation_cache(cache_dir):
