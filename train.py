@@ -281,7 +281,7 @@ def drop_partial_files(out):
     a kill (SIGKILL, a power cut) left: a checkpoint's is the checkpoint's size, and each kill
     during a save left one more (two in eight kills of a run that saved every step). Also those
     of the older name, tmpXXXXXXXX.tmp. Only for a directory whose lock this process holds."""
-    ours = re.compile(r"\.(%s)\.[A-Za-z0-9_]{8}\.partial|tmp[a-z0-9_]{8}\.tmp" % "|".join(map(re.escape, RUN_FILES)))
+    ours = re.compile(r"\.(%s)\.[a-z0-9_]{8}\.partial|tmp[a-z0-9_]{8}\.tmp" % "|".join(map(re.escape, RUN_FILES)))
     remove_files(out, lambda entry: ours.fullmatch(entry.name))
 
 
