@@ -4,6 +4,7 @@ reading; a path that is not UTF-8 under a strict locale; a JAX backend that cann
 a device out of memory. (Split from test_cli.py, whose bad-input tests these complement.)
 """
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -135,6 +136,48 @@ def kill(pids):
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def drop_a_ctrl_c():
+    """A Ctrl-C whose KeyboardInterrupt Python drops: raised inside a garbage-collection callback,
+    as JAX's is at every collection ("Exception ignored in: ..."; 1 of 30 Ctrl-Cs sent to
+    train.py while it compiled was lost, and the run trained on to its last step)."""
+    def callback(phase, _):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)  # its handler runs right after this call: in the callback
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def busy(seconds, until=lambda: False):
+    deadline = time.time() + seconds
+    while time.time() < deadline and not until():
+        pass
+
+
+def test_a_ctrl_c_that_python_drops_is_delivered_again_and_stops_the_command(capsys):
+    def command(_):
+        drop_a_ctrl_c()
+        busy(3)
+        return 0
+    t = time.time()
+    assert train.run_command(command, None) == 130
+    assert time.time() - t < 1.5
+    assert capsys.readouterr().err == "interrupted; no file was left half-written.\n"
+    # Delivered again to what SIGINT does by then: the training loop's flag, not an exception.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with train.dropped_interrupts_raised_again(delay=0.3):
+            drop_a_ctrl_c()
+            with train.interrupt_flag() as stop:
+                busy(3, until=lambda: stop["signal"])
+        assert stop["signal"] == signal.SIGINT
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert "Exception ignored" not in capsys.readouterr().err
 
 
 def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):

@@ -576,13 +576,52 @@ def _backend_failed(e):
     return any(f.filename.endswith(os.path.join("jax", "_src", "xla_bridge.py")) for f in frames[-3:])
 
 
+@contextlib.contextmanager
+def dropped_interrupts_raised_again(delay=0.01):
+    """Ctrl-C raises KeyboardInterrupt in whatever Python code runs at that moment. Where that
+    is a garbage-collection callback (JAX runs one at every collection, and tracing and
+    compiling collect often) or a __del__, Python drops the exception ("Exception ignored
+    in: ...") and the program goes on: 1 of 30 Ctrl-Cs sent to train.py while it compiled
+    was lost, and the run trained on. Here such a KeyboardInterrupt is delivered again
+    `delay` seconds later, by SIGALRM, to what SIGINT does then (raise, set the training
+    loop's flag, or exit), in the code that runs then. Not from the hook itself: Python runs
+    a signal's handler right after the call that raised the signal, inside the hook, and
+    drops its exception there too. (Without setitimer, on Windows: nothing.)"""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            signal.setitimer(signal.ITIMER_REAL, delay)
+        else:
+            previous_hook(unraisable)
+
+    def again(_, frame):
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):
+            raise KeyboardInterrupt
+        handler(signal.SIGINT, frame)
+
+    previous_hook, previous_alarm = sys.unraisablehook, signal.signal(signal.SIGALRM, again)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
+        sys.unraisablehook = previous_hook
+
+
 def run_command(command, args):
     """Run a subcommand the way every script here does: bad input (flags, files, data) is one
     sentence on stderr and exit code 2; Ctrl-C or SIGTERM is one line and exit code 130 (the
-    command may have handled it first, e.g. by saving a checkpoint)."""
+    command may have handled it first, e.g. by saving a checkpoint), even where Python would
+    have dropped it (dropped_interrupts_raised_again)."""
     old = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}  # both: Ctrl-C
     try:
-        return command(args)
+        with dropped_interrupts_raised_again():
+            return command(args)
     except (UsageError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
