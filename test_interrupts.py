@@ -141,7 +141,7 @@ def kill(pids):
 def drop_a_ctrl_c():
     """A Ctrl-C whose KeyboardInterrupt Python drops: raised inside a garbage-collection callback,
     as JAX's is at every collection ("Exception ignored in: ..."; 1 of 30 Ctrl-Cs sent to
-    train.py while it compiled was lost, and the run trained on to its last step)."""
+    train.py 1-3 s after it began to load JAX was lost, and the run trained on)."""
     def callback(phase, _):
         if phase == "start":
             signal.raise_signal(signal.SIGINT)  # its handler runs right after this call: in the callback
