@@ -581,12 +581,13 @@ def dropped_interrupts_raised_again(delay=0.01):
     """Ctrl-C raises KeyboardInterrupt in whatever Python code runs at that moment. Where that
     is a garbage-collection callback (JAX runs one at every collection, and tracing and
     compiling collect often) or a __del__, Python drops the exception ("Exception ignored
-    in: ...") and the program goes on: 1 of 30 Ctrl-Cs sent to train.py 1-3 s after it began
-    to load JAX was lost, and the run trained on. Here such a KeyboardInterrupt is delivered again
-    `delay` seconds later, by SIGALRM, to what SIGINT does then (raise, set the training
-    loop's flag, or exit), in the code that runs then. Not from the hook itself: Python runs
-    a signal's handler right after the call that raised the signal, inside the hook, and
-    drops its exception there too. (Without setitimer, on Windows: nothing.)"""
+    in: ...") and the program goes on: 1 of 30 Ctrl-Cs sent to train.py 1-3 s after it
+    began to load JAX was lost, and the run trained on. Here such a KeyboardInterrupt is
+    delivered again `delay` seconds later, by SIGALRM, to what SIGINT does then (raise, set
+    the training loop's flag, or exit), in the code that runs then. Not from the hook
+    itself: Python runs a signal's handler right after the call that raised the signal,
+    inside the hook, and drops its exception there too. (Without setitimer, on Windows:
+    nothing.)"""
     if not hasattr(signal, "setitimer"):
         yield
         return
