@@ -161,7 +161,8 @@ def test_a_steps_freed_host_memory_is_reused_not_faulted_in_anew():
     assert sum(faults) < 20 * 16384 and sum(f < 1000 for f in faults) >= 20, faults
 
 
-HOLES = """
+# A fresh process with keep_freed_host_memory, and glibc's malloc, free and sbrk.
+GLIBC = """
 import ctypes, json, sys
 import train
 if not train.keep_freed_host_memory():
@@ -169,6 +170,9 @@ if not train.keep_freed_host_memory():
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+"""
+HOLES = GLIBC + """
 blocks = [libc.malloc(4096) for _ in range(4000)]
 holes = blocks[::2]
 for b in holes:  # 2000 holes of 4 KiB, each between two blocks still in use
@@ -195,15 +199,7 @@ def test_fill_heap_holes_takes_every_hole_so_that_new_blocks_come_from_elsewhere
     assert json.loads(without.stdout)["reused"] > 100  # the holes are there to be taken
 
 
-NO_TRIM = """
-import ctypes, json, sys
-import train
-if not train.keep_freed_host_memory():
-    sys.exit(print("unsupported"))
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+NO_TRIM = GLIBC + """
 block = libc.malloc(2 ** 31 + 2 ** 22)  # address space only: not one of its pages is touched
 if not block:
     sys.exit(print("no room"))
