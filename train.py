@@ -661,7 +661,7 @@ def keep_freed_host_memory():
     memory stays at its peak. No trimming is -1, which glibc's mallopt documents as "disables
     trimming completely": the largest positive threshold, 2^31 - 1, still gave back any free
     top of the heap over 2 GiB, and the paper preset's step at batch 1 on a CPU faulted 1.6 GB
-    back in now and then (422,326 pages in one of eight steps: 15.8 s against 13.4-14.0).
+    back in now and then (422,326 pages in one of eight steps: 15.8 s against 13.3-14.0).
     Returns whether the setting took."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
