@@ -25,6 +25,7 @@ import data
 import evaluate
 import sample
 import train
+from test_evaluate import table_of_two_seeds  # noqa: F401  (an early job's fixture)
 from test_train import FAST, TINY_FAST
 
 SCRIPTS = {"train": train.main, "evaluate": evaluate.main, "benchmark": benchmark.main, "sample": sample.main}
@@ -698,13 +699,13 @@ def test_broken_run_directories_are_refused_in_one_sentence(tmp_path, finished_r
         shutil.rmtree(run)
 
 
-def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, cache, capsys):
+def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(tmp_path, table_of_two_seeds, capsys):
     """Issue 14.7: evaluate.py table reuses a row only if its eval.json is whole and of --steps.
     And only if the run is the row's: one of another --segment-length, batch or data was once
-    reused (or resumed) without a word and reported as the row asked for."""
+    reused (or resumed) without a word and reported as the row asked for. The row: the XL row
+    that test_evaluate.py's table trained with the flags below (and --seeds 2), copied."""
     row = tmp_path / "XL_cache"
-    assert train.main(TINY_FAST + ["--steps", "2", "--out", str(row), "--cache-dir", cache, "--memory-size", "0",
-                              "--xl-cache", "--eval-every", "0", "--batch-size", "4", "--seed", "0"]) == 0
+    shutil.copytree(table_of_two_seeds[1] / "XL_cache", row)
     its_cache = tmp_path / "its_cache"  # the table's own, so that a resume's use of it shows
     argv = ["table", "--rows", "XL cache", "--out-root", str(tmp_path), "--cache-dir", str(its_cache), "--steps", "2",
             "--segment-length", "32", "--batch-size", "4", "--num-neighbors", "8", "--data", "synthetic:40"]

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -182,12 +183,12 @@ def table(tmp, *flags):
 
 
 @early
-def two_table_rows(tmp):  # two of the five rows keep the suite fast; the other three differ only in their flags
-    return table(tmp)
+def table_of_two_seeds(tmp):  # two of the five rows keep the suite fast; the other three differ only in their flags
+    return table(tmp, "--seeds", "2", "--init-gate-bias", "-2")
 
 
-def test_table_trains_the_paper_rows_and_writes_table_json(two_table_rows, capsys):
-    proc, root = two_table_rows
+def test_table_trains_the_paper_rows_and_writes_table_json(table_of_two_seeds, capsys):
+    proc, root = table_of_two_seeds
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((root / "table.json").read_text())
     assert [r["name"] for r in rows] == ["XL cache", "memory 4T + XL"]
@@ -209,14 +210,28 @@ def test_table_trains_the_paper_rows_and_writes_table_json(two_table_rows, capsy
             hits += bool(back) and 64 < min(back) <= 64 + 128
             total += 1
     assert hits > 0 and rows[0]["ceiling"] == 0 and abs(rows[1]["ceiling"] - hits / total) < 1e-12
-    # The job's command (its argv after `python evaluate.py`) again, in this process: it reuses the runs.
+    # One seed, the table's default: seed 0's runs, reused, each row's numbers that run's alone.
+    one = proc.args[2:proc.args.index("--seeds")] + proc.args[proc.args.index("--seeds") + 2:]
+    assert evaluate.main(one) == 0
+    out = capsys.readouterr().out
+    assert "training" not in out and "±" not in out
+    for row, two in zip(json.loads((root / "table.json").read_text()), rows):
+        ev = json.loads((pathlib.Path(two["run"]) / "eval.json").read_text())
+        assert [r["run"] for r in row["seeds"]] == [two["run"]] and row["perplexity"] == ev["perplexity"]
+        assert row["perplexity_std"] is None and row["perplexity_memory_off_std"] is None
+        assert row["perplexity_memory_off"] == ev.get("perplexity_memory_off")
+        assert {k: v for k, v in row.items() if "perplexity" not in k and k != "seeds"} == \
+            {k: v for k, v in two.items() if "perplexity" not in k and k != "seeds"}
+    # Without --init-gate-bias the memory row's run is the preset's gate: these runs are not it.
+    default_gate = one[:one.index("--init-gate-bias")] + one[one.index("--init-gate-bias") + 2:]
+    assert evaluate.main(default_gate) == 2
+    assert f"holds a run of other settings (--init-gate-bias {mt.PRESETS['tiny'].init_gate_bias} here, -2.0 there)" \
+        in capsys.readouterr().err
+    # The job's command (its argv after `python evaluate.py`) again, in this process: it reuses the
+    # runs, and its table is as the job wrote it.
     assert evaluate.main(proc.args[2:]) == 0
     assert "training" not in capsys.readouterr().out
-
-
-@early
-def table_of_two_seeds(tmp):
-    return table(tmp, "--seeds", "2", "--init-gate-bias", "-2")
+    assert json.loads((root / "table.json").read_text()) == rows
 
 
 def test_table_with_seeds_reports_the_mean_and_spread_of_every_rows_seeds(table_of_two_seeds):
