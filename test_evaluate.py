@@ -183,7 +183,9 @@ def table(tmp, *flags):
 
 
 @early
-def table_of_two_seeds(tmp):  # two of the five rows keep the suite fast; the other three differ only in their flags
+def table_of_two_seeds(tmp):
+    # Two of the five rows keep the suite fast (the other three differ only in their flags), and
+    # one job serves both table tests and test_cli's: its seed-0 runs are a one-seed table's.
     return table(tmp, "--seeds", "2", "--init-gate-bias", "-2")
 
 
