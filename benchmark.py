@@ -344,8 +344,8 @@ def time_search(c, batch, memory_size, steps):
     """The search alone: median seconds of each form of `memory_search` over `steps` calls (the
     forms called in turn, after one warm-up call each), and the binned answer's recall. The
     binned forms: whole rows and whole bins in the backend's layout of the scores, and whole
-    rows in the other layout (`slots_first` flipped: queries first on a CPU, slots first
-    elsewhere), which must all give the same slots. Also
+    rows in the other layout (`slots_first` flipped from the backend's SLOTS_FIRST: queries
+    first on a CPU or a GPU), which must all give the same slots. Also
     its last stage alone, the top-k of each query's L bins' winners (keys of random floats,
     each with its bin in its low bits), both ways: `lax.top_k` and `top_k_in_passes` (which
     `memory_search` uses on a CPU only)."""
@@ -384,7 +384,8 @@ def time_search(c, batch, memory_size, steps):
             "recall": recall(out["whole_rows"], out["exact"]),
             "same_slots": float(np.mean((out["whole_rows"] == out["whole_bins"]) &
                                         (out["whole_rows"] == out["other_layout"]))),
-            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])), "device": device_name()}
+            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])),
+            "other_layout": "slots first" if other else "queries first", "device": device_name()}
 
 
 def search_table(args, base, batch, sizes):
@@ -402,8 +403,9 @@ def search_table(args, base, batch, sizes):
         print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
               f"{t['other_layout'] * 1e3:>16.2f} {t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} "
               f"{r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} {k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
-    print("other layout: whole rows with the scores laid out the way this backend does not use (slots_first: "
-          "queries first on a CPU, slots first elsewhere); recall: the binned slots found among the exact top-k; "
+    print(f"other layout: whole rows with the scores laid out the way this backend does not use (here "
+          f"{rows[0]['other_layout']}); "
+          "recall: the binned slots found among the exact top-k; "
           "same slots: the share on which the three binned forms agree (1: they keep the same bins' maxima); "
           "top-k, in passes: the top-k of the bins' winners alone, by lax.top_k and by top_k_in_passes (a CPU's "
           "memory_search uses the passes), and the share of answers on which they agree (must be 1)")
