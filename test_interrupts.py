@@ -89,6 +89,33 @@ def test_ctrl_c_while_starting_and_during_the_final_evaluation(interrupted_train
     assert json.loads((run / "eval.json").read_text())["step"] == 2
 
 
+@early
+def interrupted_while_jax_starts_a_plugin(tmp):
+    """train.py with a JAX plugin (a module of the namespace package jax_plugins, found on the
+    PYTHONPATH) that is sent Ctrl-C while it starts, as the CUDA plugin was, loading its
+    libraries: the process's exit code and stderr, and whether the run's directory exists."""
+    plugin = tmp / "plugins" / "jax_plugins" / "interrupted_at_start"  # (no __init__.py above it)
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text("import os, signal, time\n\n"
+                                        "def initialize():\n"
+                                        "    os.kill(os.getpid(), signal.SIGINT)\n"
+                                        "    time.sleep(60)\n")
+    path = os.pathsep.join(filter(None, [str(tmp / "plugins"), os.environ.get("PYTHONPATH")]))
+    with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", str(tmp / "cache")],
+                                   job_env(PYTHONPATH=path))) as proc:
+        code, err = ending(proc)
+    return code, err, (tmp / "run").exists()
+
+
+def test_ctrl_c_that_jax_catches_while_it_starts_a_plugin_still_ends_the_command(interrupted_while_jax_starts_a_plugin):
+    """JAX starts each plugin under a bare `except:` and logs what it raised: a Ctrl-C there was
+    dropped, and train.py trained on, on the CPU (seen on an H200). It ends the command:
+    one line, exit 130, and no run directory."""
+    code, err, made_run_dir = interrupted_while_jax_starts_a_plugin
+    assert_interrupted(code, err)
+    assert not made_run_dir
+
+
 def children(pid):
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:

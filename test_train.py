@@ -618,8 +618,11 @@ def start(out, cache, *extra):
 
 
 def ending(proc):
-    """A process's exit code and stderr, once it ends."""
-    return proc.wait(timeout=120), proc.stderr.read()
+    """A process's exit code and stderr, once it ends. Its pipes are read meanwhile: a process
+    that went on printing past a pipe's buffer (64 KiB) would wait for a reader forever (an
+    interrupted train.py that trained on instead, seen on an H200, hung a test for 120 s)."""
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
 
 
 def wait_for_step(proc, step):

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import math
 import platform
 import re
@@ -587,7 +588,38 @@ def dropped_interrupts_raised_again(delay=0.01):
     the training loop's flag, or exit), in the code that runs then. Not from the hook
     itself: Python runs a signal's handler right after the call that raised the signal,
     inside the hook, and drops its exception there too. (Without setitimer, on Windows:
-    nothing.)"""
+    these are not delivered again.)
+
+    JAX drops one too: it starts its plugins (on a GPU, the CUDA plugin, which loads its
+    libraries for a second or two) under a bare `except:`, logs what they raise, and goes on
+    without them. A Ctrl-C there was lost, and the run trained on, on the CPU (1 of 24
+    train.py runs sent Ctrl-C 2 s after loading JAX, on an H200 under load). So the log
+    record of a KeyboardInterrupt from its xla_bridge module is not printed but raised again,
+    from the logging call, out of JAX's `except:` (_RaiseLoggedInterrupt)."""
+    jax_log = logging.getLogger("jax._src.xla_bridge")
+    jax_log.addFilter(_RAISE_LOGGED_INTERRUPT)
+    try:
+        with _unraisable_interrupts_raised_again(delay):
+            yield
+    finally:
+        jax_log.removeFilter(_RAISE_LOGGED_INTERRUPT)
+
+
+class _RaiseLoggedInterrupt(logging.Filter):
+    """A logger's filter that raises, instead of letting through, a record of a KeyboardInterrupt
+    that the logging code caught (dropped_interrupts_raised_again)."""
+    def filter(self, record):
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            raise record.exc_info[1]
+        return True
+
+
+_RAISE_LOGGED_INTERRUPT = _RaiseLoggedInterrupt()
+
+
+@contextlib.contextmanager
+def _unraisable_interrupts_raised_again(delay):
+    """The first half of dropped_interrupts_raised_again: the hook and the alarm."""
     if not hasattr(signal, "setitimer"):
         yield
         return
