@@ -595,35 +595,7 @@ def dropped_interrupts_raised_again(delay=0.01):
     without them. A Ctrl-C there was lost, and the run trained on, on the CPU (1 of 24
     train.py runs sent Ctrl-C 2 s after loading JAX, on an H200 under load). So the log
     record of a KeyboardInterrupt from its xla_bridge module is not printed but raised again,
-    from the logging call, out of JAX's `except:` (_RaiseLoggedInterrupt)."""
-    jax_log = logging.getLogger("jax._src.xla_bridge")
-    jax_log.addFilter(_RAISE_LOGGED_INTERRUPT)
-    try:
-        with _unraisable_interrupts_raised_again(delay):
-            yield
-    finally:
-        jax_log.removeFilter(_RAISE_LOGGED_INTERRUPT)
-
-
-class _RaiseLoggedInterrupt(logging.Filter):
-    """A logger's filter that raises, instead of letting through, a record of a KeyboardInterrupt
-    that the logging code caught (dropped_interrupts_raised_again)."""
-    def filter(self, record):
-        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
-            raise record.exc_info[1]
-        return True
-
-
-_RAISE_LOGGED_INTERRUPT = _RaiseLoggedInterrupt()
-
-
-@contextlib.contextmanager
-def _unraisable_interrupts_raised_again(delay):
-    """The first half of dropped_interrupts_raised_again: the hook and the alarm."""
-    if not hasattr(signal, "setitimer"):
-        yield
-        return
-
+    from the logging call, out of JAX's `except:` (_raise_logged_interrupt)."""
     def hook(unraisable):
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
             signal.setitimer(signal.ITIMER_REAL, delay)
@@ -636,14 +608,28 @@ def _unraisable_interrupts_raised_again(delay):
             raise KeyboardInterrupt
         handler(signal.SIGINT, frame)
 
-    previous_hook, previous_alarm = sys.unraisablehook, signal.signal(signal.SIGALRM, again)
-    sys.unraisablehook = hook
+    jax_log = logging.getLogger("jax._src.xla_bridge")
+    jax_log.addFilter(_raise_logged_interrupt)
+    alarm = hasattr(signal, "setitimer")
+    if alarm:
+        previous_hook, previous_alarm = sys.unraisablehook, signal.signal(signal.SIGALRM, again)
+        sys.unraisablehook = hook
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous_alarm)
-        sys.unraisablehook = previous_hook
+        jax_log.removeFilter(_raise_logged_interrupt)
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous_alarm)
+            sys.unraisablehook = previous_hook
+
+
+def _raise_logged_interrupt(record):
+    """A logging filter: a record of a KeyboardInterrupt that the logging code caught is raised
+    again, not printed (dropped_interrupts_raised_again)."""
+    if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+        raise record.exc_info[1]
+    return True
 
 
 def run_command(command, args):
