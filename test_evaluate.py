@@ -263,15 +263,30 @@ def test_table_with_seeds_reports_the_mean_and_spread_of_every_rows_seeds(table_
             assert row["perplexity_memory_off"] is None and row["perplexity_memory_off_std"] is None
 
 
-def test_finetune_trains_without_memory_then_with_it_and_prints_both_curves(tmp_path, capsys):
-    root = tmp_path / "ft"
-    flags = ["finetune", "--preset", "tiny", "--data", "synthetic:40", "--steps", "4", "--finetune-steps", "2",
-             "--eval-every", "2", "--eval-docs", "2", "--eval-tokens", "64", "--segment-length", "32",
-             "--batch-size", "4", "--num-neighbors", "8", "--memory-size", "64", "--out-root", str(root),
-             "--cache-dir", str(tmp_path / "cache")]
-    assert evaluate.main(flags) == 0
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.is_file()) == [
-        "tokenizer", "tokens", "tokens"]
+FINETUNE = ["finetune", "--preset", "tiny", "--data", "synthetic:40", "--steps", "4", "--finetune-steps", "2",
+            "--eval-every", "2", "--eval-docs", "2", "--eval-tokens", "64", "--segment-length", "32",
+            "--batch-size", "4", "--num-neighbors", "8", "--memory-size", "64"]
+
+
+@early
+def finetune_runs(tmp):
+    """evaluate.py finetune, in subprocesses beside the suite: its three runs, then --fresh-start's
+    one more. (The two processes, the first one's flags, its --out-root and its --cache-dir.)"""
+    flags = FINETUNE + ["--out-root", str(tmp / "ft"), "--cache-dir", str(tmp / "cache")]
+    procs = []
+    for extra in ([], ["--fresh-start"]):
+        procs.append(subprocess.run([sys.executable, "evaluate.py"] + flags + extra, cwd=HERE, capture_output=True,
+                                    text=True, env=job_env()))
+        if procs[-1].returncode:
+            break
+    return procs, flags, tmp / "ft", tmp / "cache"
+
+
+def test_finetune_trains_without_memory_then_with_it_and_prints_both_curves(finetune_runs, capsys):
+    procs, flags, root, cache = finetune_runs
+    assert [p.returncode for p in procs] == [0, 0], procs[-1].stderr
+    assert procs[0].stdout.count("training") == 3
+    assert sorted(p.name.split("-")[0] for p in cache.iterdir() if p.is_file()) == ["tokenizer", "tokens", "tokens"]
     saved = {k: json.loads((root / k / "config.json").read_text()) for k in ("no_memory", "fine_tuned", "memory")}
     assert [saved[k]["config"]["memory_size"] for k in ("no_memory", "fine_tuned", "memory")] == [0, 64, 64]
     assert saved["fine_tuned"]["args"]["init_from"] == str(root / "no_memory")
@@ -286,21 +301,21 @@ def test_finetune_trains_without_memory_then_with_it_and_prints_both_curves(tmp_
     assert [c["fine_tuned"] for c in result["curve"]] == [logged("no_memory")[2], logged("no_memory")[4],
                                                           logged("fine_tuned")[6]]
     assert [c["memory_from_scratch"] for c in result["curve"]] == [logged("memory")[s] for s in (2, 4, 6)]
-    capsys.readouterr()
-    assert evaluate.main(flags) == 0  # reuses the three runs
-    assert "training" not in capsys.readouterr().out
-    # ... only with the settings they were trained with (another k was once reused unremarked)
-    assert evaluate.main(flags + ["--num-neighbors", "4"]) == 2
-    assert "holds a run of other settings (--num-neighbors 4 here, 8 there)" in capsys.readouterr().err
     # --fresh-start: one more run, counting its steps from 0, shown after the no-memory steps.
-    assert evaluate.main(flags + ["--fresh-start"]) == 0
-    assert capsys.readouterr().out.count("training") == 1
+    assert procs[1].stdout.count("training") == 1
     fresh = root / "fine_tuned_fresh_start"
     assert json.loads((fresh / "config.json").read_text())["args"]["fresh_start"]
     assert json.loads((fresh / "eval.json").read_text())["step"] == 2
     curve = json.loads((root / "finetune_fresh_start.json").read_text())["curve"]
     assert [c["step"] for c in curve] == [2, 4, 6] and curve[2]["fine_tuned"]["step"] == 2
     assert curve[2]["memory_from_scratch"] == result["curve"][2]["memory_from_scratch"]
+    # The first command again, in this process: it reuses the three runs and writes the same curve.
+    assert evaluate.main(flags) == 0
+    assert "training" not in capsys.readouterr().out
+    assert json.loads((root / "finetune.json").read_text()) == result
+    # ... only with the settings they were trained with (another k was once reused unremarked)
+    assert evaluate.main(flags + ["--num-neighbors", "4"]) == 2
+    assert "holds a run of other settings (--num-neighbors 4 here, 8 there)" in capsys.readouterr().err
 
 
 def test_bad_input_gets_one_sentence_and_exit_code_2(tmp_path, run_dir, capsys):
