@@ -1,4 +1,5 @@
-"""evaluate.py: the four subcommands on a tiny model trained for a few steps."""
+"""evaluate.py: its eight subcommands (perplexity, compare, inspect, explore, recall, reach, finetune,
+table) on tiny models trained for a few steps."""
 import argparse
 import csv
 import json
