@@ -117,9 +117,11 @@ def our_rows(sizes, steps):
         code, out, err = run_child([sys.executable, os.path.join(HERE, "benchmark.py"), "--memory-sizes",
                                     ",".join(map(str, sizes)), "--steps", str(steps), "--json", ours_json])
         if code:
-            print(f"error: benchmark.py failed (exit code {code}): {(err.strip().splitlines() or ['?'])[-1]}",
+            last = (err.strip().splitlines() or ["?"])[-1].removeprefix("error: ")
+            # its refusal of bad input (before anything ran) is passed on as it is, one sentence
+            print(f"error: {last}" if code == 2 else f"error: benchmark.py failed (exit code {code}): {last}",
                   file=sys.stderr)
-            return None, code if code in (2, 130) else 1  # bad input (refused before anything ran), interrupted
+            return None, code if code in (2, 130) else 1  # bad input, interrupted
         print(out, end="")
         with open(ours_json) as f:
             return {r["memory_size"]: r for r in json.load(f)}, 0
@@ -174,8 +176,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, but no "(default: None)" (train.HelpFormatter's rule):
+    an unset --json writes no file, as its help says."""
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser():
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
     p.add_argument("--peer-python", default=sys.executable,

@@ -247,3 +247,17 @@ def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median
         with pytest.raises(SystemExit) as stop:
             peer_benchmark.main(flags)  # refused before benchmark.py runs
         assert stop.value.code == 2 and capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_peer_side_by_side_passes_on_benchmarks_refusal_as_one_sentence(monkeypatch, capsys):
+    """A size benchmark.py refuses (not a multiple of the segment length) is its one sentence,
+    not "error: benchmark.py failed (exit code 2): error: ..."; other failures say whose they are."""
+    import peer_benchmark
+    for code, err, expected in ((2, "note\nerror: --memory-sizes 100: memory_size (100) must be a multiple of "
+                                    "segment_length (128).\n",
+                                 "error: --memory-sizes 100: memory_size (100) must be a multiple of "
+                                 "segment_length (128).\n"),
+                                (1, "Traceback\nMemoryError\n", "error: benchmark.py failed (exit code 1): MemoryError\n")):
+        monkeypatch.setattr(peer_benchmark, "run_child", lambda argv, code=code, err=err: (code, "", err))
+        assert peer_benchmark.our_rows([0, 100], 1) == (None, code)
+        assert capsys.readouterr().err == expected

@@ -479,17 +479,23 @@ def test_compare_with_a_memory_size_of_zero_and_a_memory_model(finished_run, tmp
             assert len(list(csv.reader(f))) == 101
 
 
-@pytest.mark.parametrize("script, argv", [("train", []), ("benchmark", []), ("sample", ["run"])] +
+@pytest.mark.parametrize("script, argv", [("train", []), ("benchmark", []), ("sample", ["run"]),
+                                          ("peer_benchmark", [])] +
                          [("evaluate", [c]) for c in evaluate.build_parser()._subparsers._group_actions[0].choices])
 def test_help_gives_every_default_and_never_none(capsys, script, argv):
     """--help shows a flag's default where it has one; where it has none (None), the flag's
     own help says what leaving it unset means, rather than "(default: None)"."""
-    code, out, _ = call(script, argv[:1] + ["--help"], capsys)
+    if script == "peer_benchmark":
+        code, (out, _) = _peer_benchmark(["--help"]), capsys.readouterr()
+    else:
+        code, out, _ = call(script, argv[:1] + ["--help"], capsys)
     assert code == 0 and "--" in out
     text = " ".join(out.split())
     assert "(default: None)" not in text
     if script == "train":  # a default other than None is still shown, and unset flags are explained
         assert "(default: 500)" in text and "--preset's value" in text
+    if script == "peer_benchmark":
+        assert "(default: 0,8192,65536)" in text and "--json" in text
 
 
 @pytest.mark.parametrize("script, argv, message", [
