@@ -498,6 +498,18 @@ def test_help_gives_every_default_and_never_none(capsys, script, argv):
         assert "(default: 0,8192,65536)" in text and "--json" in text
 
 
+def test_a_negative_number_with_an_exponent_is_a_value_not_a_flag():
+    """`--init-gate-bias -1e3` was refused as "expected one argument": Python 3.11's argparse
+    took "-1e3" for a flag, as it knows only -3 and -.5 as negative numbers."""
+    for value in ("-1e3", "-2.5E-1", "-3", "-.5", "-1e+30"):
+        assert train.build_parser().parse_args(["--init-gate-bias", value]).init_gate_bias == float(value)
+        assert evaluate.build_parser().parse_args(["table", "--init-gate-bias", value]).init_gate_bias == float(value)
+        assert sample.build_parser().parse_args(["run", "--prompt", "x", "--temperature", value]).temperature == \
+            float(value)
+    with pytest.raises(SystemExit):  # a flag is still a flag where a value was due
+        train.build_parser().parse_args(["--init-gate-bias", "--lr", "1"])
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("train", ["--lr", "nan"], "argument --lr: must be a finite number"),
     ("train", ["--init-prev-token-bias", "nan"], "argument --init-prev-token-bias: must be a finite number"),

@@ -522,7 +522,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, except that a bad flag is one line on stderr (not the usage, then the error)."""
+    """argparse, except that a bad flag is one line on stderr (not the usage, then the error),
+    and that a value written with an exponent, `--init-gate-bias -1e3`, is a negative number,
+    not a flag (Python 3.11's argparse knows only -3 and -.5; later ones match this way)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-\.?\d")  # no flag of ours starts with "-" and a digit
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help).\n")
