@@ -517,6 +517,30 @@ def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(r
     assert np.asarray(got[3]).tolist() == [0 if r else (p + T) % M for r, p in zip(reset, pos)]
 
 
+def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it():
+    """The compiled train step reads and writes the memory in place: its buffers are donated and
+    aliased to the new state, and no copy of them (a transposed layout of the keys, a select
+    over all slots) is made. XLA's buffer assignment says so: the step's temporaries at
+    M = 1024 are within 1/8 of the memory's growth in storage of those at M = 64, where one copy
+    of the keys alone would add 1/2 of it. On a GPU this checks the GPU's program."""
+    import train
+
+    def compiled(M):
+        c = SMALL.replace(memory_size=M)
+        params = jax.eval_shape(lambda: mt.init_params(c, jax.random.PRNGKey(0)))
+        opt_state = jax.eval_shape(train.make_optimizer(c)[0], params)
+        state = jax.eval_shape(lambda: mt.init_state(c, c.batch_size))
+        tokens = jax.ShapeDtypeStruct((c.batch_size, c.segment_length), jnp.int32)
+        batch = {"tokens": tokens, "targets": tokens, "mask": jax.ShapeDtypeStruct(tokens.shape, bool),
+                 "reset": jax.ShapeDtypeStruct((c.batch_size,), bool)}
+        step = train.make_train_step(train.step_config(c)).lower(params, opt_state, state, batch).compile()
+        storage = sum(x.size * x.dtype.itemsize for x in (state.mem_k, state.mem_v))  # [B, Lm, H, M, D] each
+        return step.memory_analysis(), storage
+
+    (small, small_storage), (big, big_storage) = compiled(64), compiled(1024)
+    assert big.alias_size_in_bytes >= big_storage  # donated: the new memory is the old one's buffer
+    assert big.temp_size_in_bytes - small.temp_size_in_bytes < (big_storage - small_storage) / 8
+
 def test_padding_is_never_stored_as_a_valid_entry(params):
     cfg = SMALL
     mask = np.ones((2, cfg.segment_length), bool)
