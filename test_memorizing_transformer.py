@@ -519,14 +519,14 @@ def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(r
 
 def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it():
     """The compiled train step reads and writes the memory in place: its buffers are donated and
-    aliased to the new state, and no copy of them (a transposed layout of the keys, a select
-    over all slots) is made. XLA's buffer assignment says so: the step's temporaries at
-    M = 1024 are within 1/8 of the memory's growth in storage of those at M = 64, where one copy
-    of the keys alone would add 1/2 of it. On a GPU this checks the GPU's program."""
+    aliased to the new state, and no copy of them (the keys in another layout for the search,
+    say) is made. XLA's buffer assignment says so: the step's temporaries at M = 1024 are
+    within 1/8 of the memory's growth in storage of those at M = 64, where one copy of the keys
+    alone would add 1/2 of it. On a GPU this checks the GPU's program."""
     import train
 
     def compiled(M):
-        c = SMALL.replace(memory_size=M)
+        c = SMALL.replace(num_layers=1, memory_layers=(0,), memory_size=M)
         params = jax.eval_shape(lambda: mt.init_params(c, jax.random.PRNGKey(0)))
         opt_state = jax.eval_shape(train.make_optimizer(c)[0], params)
         state = jax.eval_shape(lambda: mt.init_state(c, c.batch_size))
