@@ -162,6 +162,10 @@ def sample(args):
                 text = f.read().decode("utf-8")
         except UnicodeDecodeError:
             raise train.UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
+        except FileNotFoundError:
+            raise train.UsageError(f"--prompt-file {args.prompt_file} does not exist.") from None
+        except IsADirectoryError:
+            raise train.UsageError(f"--prompt-file {args.prompt_file} is a directory, not a file.") from None
     config, params, sp, run_args = evaluate.load_run(args.run_dir, args.memory_size)
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
     if args.prompt_doc is not None:
