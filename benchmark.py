@@ -146,10 +146,13 @@ def largest_buffers(hlo_text, n=10):
     product that should have been fused away (a [B, T, H, D, K] product of the retrieved
     pairs, say) shows here."""
     buffers, fused = [], False
+    # the bodies of fusions (fused_*, wrapped_*, a GPU's gemm_fusion_*_computation, ...): any
+    # computation an operation names with calls=; loop bodies are named with body=
+    called = set(re.findall(r"%([\w.\-]+)", " ".join(re.findall(r"calls=(\{[^}]*\}|%[\w.\-]+)", hlo_text))))
     for line in hlo_text.splitlines():
         head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
-        if head:  # a computation starts; fusions' bodies are named fused_* or wrapped_*
-            fused = not head.group(1) and head.group(2).startswith(("fused", "wrapped_"))
+        if head:  # a computation starts
+            fused = not head.group(1) and head.group(2) in called
             continue
         inst = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\w+\[[\d,]*\]\S*) ([\w\-]+)\(", line)
         if fused or not inst or inst.group(3) in NOT_WRITTEN:

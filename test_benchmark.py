@@ -94,12 +94,19 @@ def test_benchmark_train_only_times_the_step_and_nothing_else_and_profile_names_
 def test_largest_buffers_counts_what_operations_write_and_not_the_values_inside_fusions():
     """benchmark.largest_buffers reads a compiled program's HLO: the outputs of the entry
     computation's and loop bodies' operations (each element of a tuple on its own), not those
-    inside a fused computation, nor parameters, bitcasts and tuples, which write nothing."""
+    inside a fused computation (whatever its name: a GPU's Triton matmuls are fusions whose
+    bodies are named gemm_fusion_*_computation), nor parameters, bitcasts and tuples, which
+    write nothing."""
     hlo = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 
 %fused_transpose.5 (param_0: f32[2,3]) -> f32[64,64,64] {
   %param_0 = f32[2,3]{1,0} parameter(0)
   ROOT %transpose.1 = f32[64,64,64]{2,1,0} transpose(%param_0), dimensions={1,0}
+}
+
+%gemm_fusion_dot.7_computation (parameter_0: bf16[2,3], parameter_1: bf16[3,4]) -> bf16[512,512,64] {
+  %parameter_0 = bf16[2,3]{1,0} parameter(0)
+  ROOT %dot.7 = bf16[512,512,64]{2,1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}
 }
 
 %region_0.2 (arg: (s32[], bf16[16,16])) -> (s32[], bf16[16,16]) {
@@ -114,6 +121,7 @@ ENTRY %main.9 (p: f32[1024,1024]) -> f32[8] {
   %custom-call.89 = (f32[32,16]{0,1}, s8[4096]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
   %input_transpose_fusion.3 = f32[4,8,2,128,32]{4,3,2,1,0} fusion(%p), kind=kInput, calls=%fused_transpose.5, metadata={op_name="jit(step)/jvp()/mul"}
   %while.1 = (s32[], bf16[16,16]{1,0}) while(%t), condition=%c, body=%region_0.2
+  %gemm_fusion_dot.7 = bf16[8,8]{1,0} fusion(%p, %p), kind=kCustom, calls=%gemm_fusion_dot.7_computation
   ROOT %copy.4 = f32[8]{0} copy(%x)
 }
 """
@@ -123,7 +131,7 @@ ENTRY %main.9 (p: f32[1024,1024]) -> f32[8] {
         ("custom-call.89", "custom-call", "s8[4096]", 4096),
         ("custom-call.89", "custom-call", "f32[32,16]", 4 * 32 * 16),
         ("loop_fusion.3", "fusion", "bf16[16,16]", 2 * 16 * 16)]
-    assert len(benchmark.largest_buffers(hlo)) == 5  # and the copy's 32 bytes
+    assert len(benchmark.largest_buffers(hlo)) == 6  # and the copy's 32 bytes, the GPU's gemm fusion's 128
 
 
 def test_alternated_rounds_give_each_row_its_steps_over_the_no_memory_steps_of_the_same_rounds(monkeypatch):
