@@ -533,8 +533,8 @@ def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it()
         tokens = jax.ShapeDtypeStruct((c.batch_size, c.segment_length), jnp.int32)
         batch = {"tokens": tokens, "targets": tokens, "mask": jax.ShapeDtypeStruct(tokens.shape, bool),
                  "reset": jax.ShapeDtypeStruct((c.batch_size,), bool)}
-        # On a GPU each matmul's kernel by XLA's defaults, not by timing candidates on the card,
-        # which may give one size a library matmul with a workspace of its own and not the other.
+        # On a GPU, XLA then picks each matmul's kernel by its defaults, not by timing candidates
+        # on the card, which could give one size a library matmul with its own workspace.
         step = train.make_train_step(train.step_config(c)).lower(params, opt_state, state, batch).compile(
             compiler_options={"xla_gpu_autotune_level": 0})
         storage = sum(x.size * x.dtype.itemsize for x in (state.mem_k, state.mem_v))  # [B, Lm, H, M, D] each
@@ -543,6 +543,7 @@ def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it()
     (small, small_storage), (big, big_storage) = compiled(64), compiled(1024)
     assert big.alias_size_in_bytes >= big_storage  # donated: the new memory is the old one's buffer
     assert big.temp_size_in_bytes - small.temp_size_in_bytes < (big_storage - small_storage) / 8
+
 
 def test_padding_is_never_stored_as_a_valid_entry(params):
     cfg = SMALL
