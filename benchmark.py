@@ -558,25 +558,33 @@ def main(argv=None):
     return train.run_main(build_parser(), benchmark, argv)
 
 
+def memory_sizes(text, base, batch, dtype):
+    """--memory-sizes as a list of ints, each a size this preset, batch and dtype can run (a
+    UsageError otherwise): every size is checked before any row runs."""
+    import train
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise train.UsageError(f"--memory-sizes must be comma-separated integers, got {text!r}.") from None
+    if not sizes:
+        raise train.UsageError("--memory-sizes is empty.")
+    if len(set(sizes)) < len(sizes):  # rows are named by their size (the paired rounds, --profile's files)
+        raise train.UsageError(f"--memory-sizes names a size twice: {text!r}.")
+    for m in sizes:
+        try:
+            config = base.replace(memory_size=m, batch_size=batch, grad_accum=1, dtype=dtype)
+        except ValueError as e:
+            raise train.UsageError(f"--memory-sizes {m}: {e}") from None
+        train.check_fits(config, batch)
+    return sizes
+
+
 def benchmark(args):
     import memorizing_transformer as mt
     import train
     base = mt.PRESETS[args.preset]
     batch = args.batch_size or base.batch_size
-    try:
-        sizes = [int(x) for x in args.memory_sizes.split(",") if x.strip()]
-    except ValueError:
-        raise train.UsageError(f"--memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.") from None
-    if not sizes:
-        raise train.UsageError("--memory-sizes is empty.")
-    if len(set(sizes)) < len(sizes):  # rows are named by their size (the paired rounds, --profile's files)
-        raise train.UsageError(f"--memory-sizes names a size twice: {args.memory_sizes!r}.")
-    for m in sizes:  # every size checked before any row runs
-        try:
-            config = base.replace(memory_size=m, batch_size=batch, grad_accum=1, dtype=args.dtype)
-        except ValueError as e:
-            raise train.UsageError(f"--memory-sizes {m}: {e}") from None
-        train.check_fits(config, batch)
+    sizes = memory_sizes(args.memory_sizes, base, batch, args.dtype)
     if args.search and (args.train_only or args.profile):
         raise train.UsageError("--search times the search alone: it cannot be combined with --train-only or --profile.")
     if args.rounds < 0:

@@ -220,6 +220,12 @@ def main(argv=None):
         return 0
     sys.path.insert(0, HERE)
     import train  # (not before: a peer row runs in the peer's Python, which has no JAX)
+    import benchmark
+    import memorizing_transformer as mt
+    try:  # each size as benchmark.py will check it (our rows: tiny, its batch, float32)
+        benchmark.memory_sizes(args.memory_sizes, mt.PRESETS["tiny"], mt.PRESETS["tiny"].batch_size, "float32")
+    except train.UsageError as e:
+        p.error(str(e))
     folder = os.path.dirname(os.path.abspath(args.json or "."))
     if args.json and not train.is_stream(args.json) and (os.path.isdir(args.json) or
                                                          not train.writable_directory(folder)):

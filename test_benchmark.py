@@ -251,10 +251,13 @@ def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median
                          (["--json", str(tmp_path / "no" / "x.json")],
                           f"--json {tmp_path / 'no' / 'x.json'} {cannot}"),
                          (["--json", "/proc/x.json"], f"--json /proc/x.json {cannot}"),  # os.access passes it as root
-                         (["--memory-sizes", "0,8192,0"], "--memory-sizes names a size twice: '0,8192,0'.")):
+                         (["--memory-sizes", "0,8192,0"], "--memory-sizes names a size twice: '0,8192,0'."),
+                         (["--memory-sizes", "0,100"], "--memory-sizes 100: memory_size (100) must be a multiple of "
+                                                       "segment_length (128).")):  # benchmark.py's own check
         with pytest.raises(SystemExit) as stop:
-            peer_benchmark.main(flags)  # refused before benchmark.py runs
-        assert stop.value.code == 2 and capsys.readouterr().err == f"error: {error}\n"
+            peer_benchmark.main(flags)  # refused before benchmark.py runs, and before "peer: skipped"
+        out, err = capsys.readouterr()
+        assert stop.value.code == 2 and err == f"error: {error}\n" and out == ""
 
 
 def test_peer_side_by_side_passes_on_benchmarks_refusal_as_one_sentence(monkeypatch, capsys):
