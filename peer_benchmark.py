@@ -207,14 +207,6 @@ def main(argv=None):
         p.error("--repeats must be >= 1.")
     if args.json == "" or args.peer_python == "":
         p.error(f"argument {'--json' if args.json == '' else '--peer-python'}: needs a path, got an empty string.")
-    try:
-        sizes = [int(s) for s in args.memory_sizes.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--memory-sizes must be comma-separated integers, got {args.memory_sizes!r}.")
-    if not sizes or min(sizes) < 0:
-        p.error("--memory-sizes needs at least one size, each >= 0.")
-    if len(set(sizes)) < len(sizes):
-        p.error(f"--memory-sizes names a size twice: {args.memory_sizes!r}.")
     if args.peer_row is not None:
         print(json.dumps(peer_row(args.peer_row, args.steps)))
         return 0
@@ -223,7 +215,7 @@ def main(argv=None):
     import benchmark
     import memorizing_transformer as mt
     try:  # each size as benchmark.py will check it (our rows: tiny, its batch, float32)
-        benchmark.memory_sizes(args.memory_sizes, mt.PRESETS["tiny"], mt.PRESETS["tiny"].batch_size, "float32")
+        sizes = benchmark.memory_sizes(args.memory_sizes, mt.PRESETS["tiny"], mt.PRESETS["tiny"].batch_size, "float32")
     except train.UsageError as e:
         p.error(str(e))
     folder = os.path.dirname(os.path.abspath(args.json or "."))
