@@ -1,49 +1,19 @@
 """What the memory costs: step time against memory size, next to the arithmetic floor.
 
   python benchmark.py                                   # tiny preset, M = 0, 8192, 65536
-  python benchmark.py --preset paper --batch-size 1 --steps 3
-  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --steps 3   # one GPU
-  python benchmark.py --json rows.json --profile prof/  # also: where each step's time goes
-  python benchmark.py --train-only --rounds 21          # also: ratios from steps called in turn
-  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --train-only --compile-jobs 3   # GPU, rows compiled together
+  python benchmark.py --rounds 21 --steps 15            # also: ratios from steps called in turn
+  python benchmark.py --ops plain                       # the model's plain pieces instead of kernels.FAST
+  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --attention fused --train-only --compile-jobs 3
+  python benchmark.py --search --memory-sizes 8192,65536   # the memory search alone
+  python benchmark.py --peer /tmp/peer/bin/python --repeats 3   # against memorizing-transformers-pytorch
 
-Each memory size runs in its own process (so that peak memory is that row's own), compiles
-the jitted train step once, warms up, and reports the median of --steps timed steps
-(block_until_ready). A second table times the forward pass alone.
+Each memory size runs in its own process (so that peak memory is that row's own), compiles the
+jitted train step, warms up, and reports the median of --steps timed steps. A second table times
+the forward pass, and in the no-memory row the loss's gradient against its forward pass.
 
---rounds N also calls every row's train step in turn in one more process, N rounds, and
-gives each row the median over the rounds of its step time over the no-memory step's in the
-same round (`paired`, with its min and max, and `/floor`, paired over floor). On a shared
-machine whose speed drifts, this ratio is steadier than `ratio`, whose two medians were
-taken minutes apart; it is the one to compare with the floor there.
-
---compile-jobs N first compiles every row's train step, N rows at a time in processes of
-their own, into a JAX compilation cache (JAX_COMPILATION_CACHE_DIR if set, else a temporary
-one, removed at the end); the rows are then timed one after another as above, each loading
-its compiled step from the cache. On a GPU a paper row's step compiles for 1-2 minutes
-(H200) and runs in a tenth of a second, so the compiles are most of a run. A row that loads
-its step has no compiler in its process: on a CPU, where `peak MiB` is the process's peak
-RSS, that peak is lower than a row's that compiled.
-
-The floor: training FLOPs with the memory over those without, counting what the memory
-must add and nothing else: one forward-only [T, M] score product per head in each memory
-layer, and attention over the K retrieved pairs (forward and backward).
-
---profile DIR traces a few more steps of each row with jax.profiler and prints the XLA
-operations that took the most device time (thread time on a CPU, where XLA's plain `dot`
-operations are undercounted: README.md, "Benchmark"), each with the JAX
-operation it came from, and the largest arrays the compiled step's operations produce (a
-product that XLA could not fuse shows there); DIR keeps the compiled HLO, the raw trace and
-the tables as JSON.
-
---search times the memory search alone instead (one memory layer's `memory_search` at the
-preset's shapes, random unit keys, every slot valid), in its four forms called in turn in
-one process: binned in pieces of whole rows, binned in pieces of whole bins, binned in whole
-rows with the scores laid out the other way (slots_first flipped: the three give the same
-answer; which is faster depends on the backend), and exact. Its recall is that of
-the binned answer against the exact one on the same keys. It also times the search's last
-stage alone, the top-k of the bins' winners, by lax.top_k and in passes (top_k_in_passes,
-which a CPU uses), and checks that the two agree.
+The floor: training FLOPs with the memory over those without, counting what the memory must add and
+nothing else: one forward-only [T, M] score product per head in each memory layer, and attention
+over the K retrieved pairs (forward and backward).
 """
 import os
 import signal
@@ -54,6 +24,7 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is wr
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import re
@@ -65,30 +36,33 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-COLUMNS = ("memory_size", "step_s", "ratio", "floor_ratio", "tokens_per_s", "peak_bytes", "recall")
-
+import kernels
+import memorizing_transformer as mt
+import runs
+import train
 
 # Dense bf16 peak of the cards this was meant for (vendor figures, without sparsity).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+OPS = {"fast": kernels.FAST, "plain": mt.PLAIN}
 
 
 def train_flops(c, batch, memory_size):
-    """Matmul FLOPs of one training step (forward + backward = 3 x forward)."""
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward), and of the forward."""
     B, T, E, H, D, F, V, L = batch, c.segment_length, c.d_model, c.num_heads, c.head_dim, c.d_ff, c.vocab_size, c.num_layers
     S = c.cache_length + T
     dense = 2 * B * T * (L * (4 * E * H * D + 2 * E * F) + E * V)  # projections, FFN, logits
     attention = 2 * B * H * T * S * D * 2 * L  # q.k and weights.v
-    forward = dense + attention
     n_mem = len(c.memory_layers) if memory_size else 0
     search = 2 * B * H * T * memory_size * D * n_mem  # forward only: retrieval is not differentiated
     retrieved = 2 * B * H * T * c.num_neighbors * D * 2 * n_mem  # q.k and weights.v over K pairs
-    return 3 * (forward + retrieved) + search, forward + retrieved + search
+    return 3 * (dense + attention + retrieved) + search, dense + attention + retrieved + search
 
 
 def peak_bytes():
-    import jax
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return int(stats["peak_bytes_in_use"])
@@ -102,10 +76,8 @@ def recall(found, exact):
                                                                      np.asarray(exact).reshape(-1, K).tolist())]))
 
 
-def measure_recall(c, memory_size, queries=64):
-    """Approximate top-k, in the model's dtypes, against exact float32 top-k on random unit vectors."""
-    import jax.numpy as jnp
-    import memorizing_transformer as mt
+def measure_recall(c, memory_size, search, queries=64):
+    """The approximate top-k, in the model's dtypes, against exact float32 top-k on random unit vectors."""
     if not memory_size or c.exact_topk:
         return 1.0 if memory_size else None
     rng = np.random.default_rng(0)
@@ -114,40 +86,35 @@ def measure_recall(c, memory_size, queries=64):
     q = unit(rng.standard_normal((1, 1, queries, c.head_dim))).astype(np.float32)  # [B, H, T, D]
     k = unit(rng.standard_normal((1, 1, memory_size, c.head_dim))).astype(np.float32)
     valid = np.ones((1, memory_size), bool)
-    _, approx = mt.memory_search(jnp.asarray(q, c.dtype), jnp.asarray(k, c.storage_dtype), valid, jnp.ones(1), cfg)
+    _, approx = search(jnp.asarray(q, c.dtype), jnp.asarray(k, c.storage_dtype), valid, jnp.ones(1), cfg)
     _, exact = mt.memory_search(q, k, valid, jnp.ones(1), cfg.replace(exact_topk=True, dtype="float32"))
     return recall(approx, exact)
 
 
 def device_name():
-    import jax
     d = jax.devices()[0]
     if d.platform != "cpu":
         return d.device_kind
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         model = "unknown CPU"
     return f"CPU {model}, {os.cpu_count()} cores"
 
 
+# ----------------------------------------------------------------------------- --profile
 HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
              "s64": 8, "u64": 8, "f64": 8}
 NOT_WRITTEN = ("parameter", "constant", "bitcast", "get-tuple-element", "tuple", "while", "call", "conditional")
 
 
 def largest_buffers(hlo_text, n=10):
-    """The n largest arrays a compiled program's operations produce, largest first: [{"op",
-    "opcode", "shape", "bytes"}]. Counts the outputs of the program's own operations (a
-    fusion, a library call, a copy, ...) in its entry computation and loop bodies, not the
-    values inside a fused computation, which never reach memory; a tuple's elements count one
-    by one, and an update in place counts its whole array. An array of the size of a whole
-    product that should have been fused away (a [B, T, H, D, K] product of the retrieved
-    pairs, say) shows here."""
+    """The n largest arrays a compiled program's operations write, largest first: [{"op", "opcode",
+    "shape", "bytes"}]. The outputs of the entry computation's and loop bodies' operations (a tuple's
+    elements one by one; an update in place counts its whole array), not the values inside a fused
+    computation (any computation named with calls=), which never reach memory."""
     buffers, fused = [], False
-    # the bodies of fusions (fused_*, wrapped_*, a GPU's gemm_fusion_*_computation, ...): any
-    # computation an operation names with calls=; loop bodies are named with body=
     called = set(re.findall(r"%([\w.\-]+)", " ".join(re.findall(r"calls=(\{[^}]*\}|%[\w.\-]+)", hlo_text))))
     for line in hlo_text.splitlines():
         head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
@@ -165,17 +132,11 @@ def largest_buffers(hlo_text, n=10):
 
 
 def profile_steps(run_step, steps, hlo_text, out_dir, tag):
-    """Time per XLA operation over `steps` steps, from a jax.profiler trace.
-
-    Sums the duration of every traced event of the step's module: kernels on a GPU (inside a
-    CUDA graph, XLA's "command buffer", a kernel is named after its fusion), thunks on a CPU
-    (where parallel threads add up to more than the wall time; a plain `dot` thunk's work
-    runs mostly on threads the trace does not tie to it, so it is undercounted). Each
-    operation is mapped to the JAX operation it came from (HLO metadata); library matmuls
-    carry none. Writes the trace, the HLO and the tables to out_dir; returns the table by
-    JAX operation, longest first.
-    """
-    import jax
+    """Time per XLA operation over `steps` steps, from a jax.profiler trace: kernels on a GPU, thunks
+    on a CPU (where threads add up to more than the wall time, and a plain `dot`'s work runs on
+    threads the trace does not tie to it). Each operation is named after the JAX operation it came
+    from (HLO metadata). Writes the trace, the HLO and the tables to out_dir; returns the table by
+    JAX operation, longest first, and the largest arrays."""
     from jax.profiler import ProfileData
     normal = lambda name: re.sub(r"[.\-]", "_", name)
     source = {normal(name): op for name, op in re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]*)"',
@@ -219,40 +180,33 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
     return table, buffers
 
 
-def row_step(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit"):
-    """One memory size's config, jitted train step and its arguments (params, optimizer state,
-    model state, a batch of random tokens; the same seeds in every row)."""
-    import jax
-    import memorizing_transformer as mt
-    import train
+# ----------------------------------------------------------------------------- a row
+def row_step(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"):
+    """One memory size's config, jitted train step and its arguments (params, optimizer state, model
+    state, a batch of random tokens; the same seeds in every row)."""
     c = mt.PRESETS[preset].replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype,
                                    memory_dtype=memory_dtype, attention=attention)
     params = mt.init_params(c, jax.random.PRNGKey(0))
-    opt_state = train.make_optimizer(c)[0](params)
     tokens = np.random.default_rng(0).integers(1, c.vocab_size, (batch, c.segment_length)).astype(np.int32)
     batch_arrays = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones(tokens.shape, bool),
                     "reset": np.zeros(batch, bool)}
-    return c, train.make_train_step(train.step_config(c)), [params, opt_state, mt.init_state(c, batch), batch_arrays]
+    return c, train.make_train_step(train.step_config(c), OPS[ops]), [params, train.make_optimizer(c)[0](params),
+                                                                      mt.init_state(c, batch), batch_arrays]
 
 
-def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, attention="explicit"):
-    """Every memory size's train step in this process, called in turn for `rounds` rounds (after
-    two warm-up rounds), so that each round's steps see the same machine. Returns, for each
-    size, the median, min and max over the rounds of its step time over the base row's (size 0,
-    else the first) in the same round: on a shared, noisy machine a steadier ratio than that of
-    medians taken minutes apart in separate processes."""
-    import jax
-    import train
-    runs = {m: row_step(preset, batch, m, dtype, memory_dtype, attention)[1:] for m in sizes}
+def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, attention="explicit", ops="fast"):
+    """Every memory size's train step in this process, called in turn for `rounds` rounds (after two
+    warm-up rounds). For each size, the median, min and max over the rounds of its step time over
+    the base row's (size 0, else the first) in the same round: on a shared machine whose speed
+    drifts, steadier than a ratio of medians taken minutes apart."""
+    rows = {m: row_step(preset, batch, m, dtype, memory_dtype, attention, ops)[1:] for m in sizes}
     times = {m: [] for m in sizes}
-    for i in range(rounds + 2):
-        for m, (step, a) in runs.items():
+    for _ in range(rounds + 2):
+        for m, (step, a) in rows.items():
             t0 = time.perf_counter()
             a[0], a[1], a[2], metrics = step(*a)
             jax.block_until_ready(metrics)
             times[m].append(time.perf_counter() - t0)
-        if i == 0:  # every step compiled
-            train.fill_heap_holes()
     base = 0 if 0 in sizes else sizes[0]
     out = {}
     for m in sizes:
@@ -261,40 +215,33 @@ def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, atten
     return out
 
 
-def compile_row(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit"):
-    """One memory size's train step compiled, not run, in this process (--compile-jobs): with
-    JAX's persistent compilation cache on, the compiled program is written there, and the
-    row's timed process, calling the same step on the same arguments, loads it from there."""
-    _, step, args = row_step(preset, batch, memory_size, dtype, memory_dtype, attention)
+def compile_row(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"):
+    """One row's train step compiled, not run (--compile-jobs): into JAX's persistent compilation
+    cache, from which the row's timed process then loads it."""
+    _, step, args = row_step(preset, batch, memory_size, dtype, memory_dtype, attention, ops)
     t0 = time.perf_counter()
     step.lower(*args).compile()
     return {"memory_size": memory_size, "compile_s": time.perf_counter() - t0}
 
 
 def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None, attention="explicit",
-            train_only=False):
-    """One memory size, in this process: returns the row's measurements (with train_only, the
-    train step's alone: no forward pass or gradient, three programs fewer to compile)."""
-    import jax
-    import jax.numpy as jnp
-    import memorizing_transformer as mt
-    import train
+            train_only=False, ops="fast"):
+    """One memory size, in this process: the row's measurements (with train_only, the train step's
+    alone: three programs fewer to compile)."""
     c, step, (params, opt_state, state, batch_arrays) = row_step(preset, batch, memory_size, dtype, memory_dtype,
-                                                                 attention)
-    tokens = batch_arrays["tokens"]
+                                                                 attention, ops)
+    tokens = jnp.asarray(batch_arrays["tokens"])
     t0 = time.perf_counter()
     params, opt_state, state, m = step(params, opt_state, state, batch_arrays)  # compile + first step
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
-    train.fill_heap_holes()  # as train.py does after its first step (each compile below, too)
     times = []
     for _ in range(steps + 1):  # one more warm-up step, then the timed ones
         t0 = time.perf_counter()
         params, opt_state, state, m = step(params, opt_state, state, batch_arrays)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times[1:])
-    peak = peak_bytes()
+    step_s, peak = statistics.median(times[1:]), peak_bytes()
     profile = None
     if profile_dir:
         def run_step():
@@ -302,76 +249,62 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
             params, opt_state, state, m = step(params, opt_state, state, batch_arrays)
             jax.block_until_ready(m)
         hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
-        train.fill_heap_holes()
         table, buffers = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")
         profile = {"ops": table[:15], "largest_buffers": buffers}
-    fwd = jax.jit(mt.forward, static_argnums=4, donate_argnums=1)  # the memory updated in place
+    forward = functools.partial(mt.forward, config=c, ops=OPS[ops])
+    fwd = jax.jit(lambda p, s: forward(p, s, tokens, jnp.zeros(batch, bool)), donate_argnums=1)  # memory in place
     fwd_times = []
-    for i in range(0 if train_only else steps + 2):
+    for _ in range(0 if train_only else steps + 2):
         t0 = time.perf_counter()
-        logits, state = fwd(params, state, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
+        logits, state = fwd(params, state)
         jax.block_until_ready(logits)
         fwd_times.append(time.perf_counter() - t0)
-        if i == 0:
-            train.fill_heap_holes()
-    # The gradient against the forward pass it differentiates (forward + loss, same state);
-    # in the no-memory row only, where the memory's search (not differentiated) is absent.
+    # The gradient against the forward pass it differentiates (forward + loss, the same state), in
+    # the no-memory row only, where the memory's search (not differentiated) is absent.
     loss_s = grad_s = None
     if memory_size == 0 and not train_only:
         def loss(p, s):
-            logits, _ = mt.forward(p, s, jnp.asarray(tokens), jnp.zeros(batch, bool), c)
+            logits, _ = forward(p, s, tokens, jnp.zeros(batch, bool))
             return mt.loss(logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool))
         timed = {"loss": jax.jit(loss), "grad": jax.jit(jax.grad(loss))}
         times = {name: [] for name in timed}
-        for i in range(steps + 2):
+        for _ in range(steps + 2):
             for name, f in timed.items():  # interleaved, so that both see the same machine
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(params, state))
                 times[name].append(time.perf_counter() - t0)
-            if i == 0:
-                train.fill_heap_holes()
         loss_s, grad_s = (statistics.median(times[name][2:]) for name in timed)
     train_f, fwd_f = train_flops(c, batch, memory_size)
     return {"memory_size": memory_size, "step_s": step_s,
             "forward_s": statistics.median(fwd_times[2:]) if fwd_times else None,
             "loss_forward_s": loss_s, "grad_s": grad_s, "grad_over_forward": grad_s and grad_s / loss_s,
             "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
-            "recall": measure_recall(c, memory_size), "train_flops": train_f, "forward_flops": fwd_f,
-            "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype, "profile": profile,
-            "attention": c.attention,
+            "recall": measure_recall(c, memory_size, OPS[ops].memory_search), "train_flops": train_f,
+            "forward_flops": fwd_f, "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype,
+            "profile": profile, "attention": c.attention, "ops": ops,
             "memory_bytes": 2 * len(c.active_memory_layers) * batch * c.num_heads * memory_size * c.head_dim *
             jnp.dtype(c.storage_dtype).itemsize}
 
 
+# ----------------------------------------------------------------------------- --search
 def time_search(c, batch, memory_size, steps):
-    """The search alone: median seconds of each form of `memory_search` over `steps` calls (the
-    forms called in turn, after one warm-up call each), and the binned answer's recall. The
-    binned forms: whole rows and whole bins in the backend's layout of the scores, and whole
-    rows in the other layout (`slots_first` flipped from the backend's SLOTS_FIRST: queries
-    first on a CPU or a GPU), which must all give the same slots. Also
-    its last stage alone, the top-k of each query's L bins' winners (keys of random floats,
-    each with its bin in its low bits), both ways: `lax.top_k` and `top_k_in_passes` (which
-    `memory_search` uses on a CPU only)."""
-    import jax
-    import jax.numpy as jnp
-    import memorizing_transformer as mt
+    """The search alone, at the preset's shapes on random unit keys: the median seconds of each form
+    over `steps` calls in turn (kernels.memory_search, the plain mt.memory_search, and the exact
+    top-k), the binned answer's recall, and the share of slots on which the two binned forms
+    agree. Also the search's last stage alone, the top-k of each query's L bins' winners, by
+    lax.top_k and in passes (kernels.top_k_in_passes, a CPU's way), which must agree."""
     H, T, D, K = c.num_heads, c.segment_length, c.head_dim, c.num_neighbors
     unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
     kq, kk, kw = jax.random.split(jax.random.PRNGKey(0), 3)  # drawn on the device: no host copy of the memory
     q = unit(jax.random.normal(kq, (batch, H, T, D))).astype(c.dtype)  # [B, H, T, D]
     keys = unit(jax.random.normal(kk, (batch, H, memory_size, D))).astype(c.storage_dtype)  # [B, H, M, D]
     valid, scale = jnp.ones((batch, memory_size), bool), jnp.ones((H,), jnp.float32)
-    other = not mt.SLOTS_FIRST.get(jax.default_backend(), False)  # the layout the backend does not use
-    forms = {"whole_rows": (c, True, None), "whole_bins": (c, False, None), "other_layout": (c, True, other),
-             "exact": (c.replace(exact_topk=True), None, None)}
-    fns = {name: jax.jit(lambda q, k, cfg=cfg, wide=wide, first=first:
-                         mt.memory_search(q, k, valid, scale, cfg, wide, slots_first=first)[1])
-           for name, (cfg, wide, first) in forms.items()}
+    forms = {"kernel": (kernels.memory_search, c), "plain": (mt.memory_search, c),
+             "exact": (kernels.memory_search, c.replace(exact_topk=True))}
+    fns = {name: jax.jit(lambda q, k, f=f, cfg=cfg: f(q, k, valid, scale, cfg)[1]) for name, (f, cfg) in forms.items()}
     L = mt.bin_layout(K, memory_size, c.topk_recall_target)[0]
-    # [B, H, T, L] keys of random floats, the bin in their low bits: distinct in a row
-    winners = mt._bin_keys(mt._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0))
-    topks = {"lax": jax.jit(lambda x: mt._float_keys(jax.lax.top_k(mt._key_floats(x), K)[0])),
-             "passes": jax.jit(lambda x: mt.top_k_in_passes(x, K))}
+    winners = kernels._bin_keys(kernels._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0))
+    topks = {"lax": jax.jit(lambda x: jax.lax.top_k(x, K)[0]), "passes": jax.jit(lambda x: kernels.top_k_in_passes(x, K))}
     calls = {**{name: (f, (q, keys)) for name, f in fns.items()},
              **{"top_k_" + name: (f, (winners,)) for name, f in topks.items()}}
     out = {name: np.asarray(f(*a)) for name, (f, a) in calls.items()}  # compile + warm-up
@@ -384,39 +317,34 @@ def time_search(c, batch, memory_size, steps):
     median = {name: statistics.median(t) for name, t in times.items()}
     return {"memory_size": memory_size, "search_s": {name: median[name] for name in fns},
             "top_k_s": {name: median["top_k_" + name] for name in topks}, "bins": L,
-            "recall": recall(out["whole_rows"], out["exact"]),
-            "same_slots": float(np.mean((out["whole_rows"] == out["whole_bins"]) &
-                                        (out["whole_rows"] == out["other_layout"]))),
-            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])),
-            "other_layout": "slots first" if other else "queries first", "device": device_name()}
+            "recall": recall(out["kernel"], out["exact"]), "same_slots": float(np.mean(out["kernel"] == out["plain"])),
+            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])), "device": device_name()}
 
 
 def search_table(args, base, batch, sizes):
-    """--search: the search's four forms at each nonzero memory size, in this process."""
-    import train
+    """--search: the search's forms at each nonzero memory size, in this process."""
     c = base.replace(batch_size=batch, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype)
     rows = [time_search(c.replace(memory_size=m), batch, m, args.steps) for m in sizes if m]
-    print(f"device: {rows[0]['device']} | preset {args.preset}: the memory search alone, one memory layer: "
-          f"B {batch}, H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries "
-          f"{args.dtype}, memory in {c.storage_dtype}, median of {args.steps} calls of each form in turn")
-    print(f"\n{'memory':>8} {'bins':>6} {'whole rows ms':>14} {'whole bins ms':>14} {'other layout ms':>16} "
-          f"{'exact ms':>9} {'recall':>7} {'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}")
+    print(f"device: {rows[0]['device']} | preset {args.preset}: the memory search alone, one memory layer: B {batch}, "
+          f"H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries {args.dtype}, memory "
+          f"in {c.storage_dtype}, median of {args.steps} calls of each form in turn")
+    print(f"\n{'memory':>8} {'bins':>6} {'kernel ms':>10} {'plain ms':>9} {'exact ms':>9} {'recall':>7} "
+          f"{'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}")
     for r in rows:
         t, k = r["search_s"], r["top_k_s"]
-        print(f"{r['memory_size']:>8} {r['bins']:>6} {t['whole_rows'] * 1e3:>14.2f} {t['whole_bins'] * 1e3:>14.2f} "
-              f"{t['other_layout'] * 1e3:>16.2f} {t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} "
-              f"{r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} {k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
-    print(f"other layout: whole rows with the scores laid out the way this backend does not use (here "
-          f"{rows[0]['other_layout']}); "
-          "recall: the binned slots found among the exact top-k; "
-          "same slots: the share on which the three binned forms agree (1: they keep the same bins' maxima); "
-          "top-k, in passes: the top-k of the bins' winners alone, by lax.top_k and by top_k_in_passes (a CPU's "
-          "memory_search uses the passes), and the share of answers on which they agree (must be 1)")
+        print(f"{r['memory_size']:>8} {r['bins']:>6} {t['kernel'] * 1e3:>10.2f} {t['plain'] * 1e3:>9.2f} "
+              f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} "
+              f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
+    print("kernel: kernels.memory_search; plain: mt.memory_search (all scores at once); recall: the binned slots "
+          "found among the exact top-k; same slots: the share on which kernel and plain agree (ties of float32 "
+          "scores within the kernel's rounding may differ); top-k, in passes: the top-k of the bins' winners alone, "
+          "by lax.top_k and by kernels.top_k_in_passes, and the share on which they agree (must be 1)")
     if args.json:
-        train.write_output(args.json, train.json_text(rows))
+        runs.write_output(args.json, runs.json_text(rows))
     return 0
 
 
+# ----------------------------------------------------------------------------- the rows' processes
 def stop(proc):
     proc.terminate()
     try:
@@ -427,9 +355,8 @@ def stop(proc):
 
 
 def run_children(cmds, env=None):
-    """Run these processes at the same time and wait for all; on Ctrl-C or SIGTERM
-    (KeyboardInterrupt here), stop them before passing the interrupt on, so that no child
-    outlives the benchmark. Returns (exit code, stdout, stderr) for each."""
+    """Run these processes at once and wait for all; on Ctrl-C or SIGTERM (KeyboardInterrupt here),
+    stop them first, so that no child outlives the benchmark. Returns (exit code, stdout, stderr)s."""
     procs = []
     try:
         for cmd in cmds:
@@ -443,18 +370,12 @@ def run_children(cmds, env=None):
 
 
 def run_child(cmd, env=None):
-    """Run one row's process (see run_children)."""
     return run_children([cmd], env)[0]
 
 
-def child_json(cmd, what, env=None):
-    """Run a child process that prints one JSON line last: (its object, 0); if it failed, say
-    so in one line with the child's own last line (its error, or the last line of its
-    traceback) and return (None, the exit code to leave with)."""
-    return json_or_error(run_child(cmd, env), what)
-
-
 def json_or_error(result, what):
+    """A child's last line as JSON, and 0; if it failed, one line with its own last line, and the
+    exit code to leave with."""
     code, stdout, stderr = result
     if code:
         last = (stderr.strip().splitlines() or ["no message"])[-1]
@@ -464,9 +385,8 @@ def json_or_error(result, what):
 
 
 def compile_ahead(common, sizes, jobs, env):
-    """--compile-jobs: every row's train step compiled in processes `jobs` at a time, each
-    into the persistent compilation cache that `env` names, from which the timed rows then
-    load it. Returns ({memory size: seconds its compile took}, 0), or (None, exit code)."""
+    """--compile-jobs: every row's train step compiled in processes `jobs` at a time, into the
+    compilation cache that `env` names. Returns ({memory size: compile seconds}, 0), or (None, code)."""
     ahead = {}
     env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # not 75% of a GPU's memory each: they share it
     for i in range(0, len(sizes), jobs):
@@ -481,10 +401,8 @@ def compile_ahead(common, sizes, jobs, env):
 
 
 def time_rows(args, common, sizes, rows, env):
-    """Each row timed in its own process, one after another (after compiling them all ahead,
-    --compile-jobs), then the rounds (--rounds); the rows are appended to `rows`. Returns 0, or
-    the exit code to leave with."""
-    import train
+    """Each row timed in its own process, one after another (after --compile-jobs), then the
+    --rounds; the rows are appended to `rows`. Returns 0, or the exit code to leave with."""
     ahead = {}
     if args.compile_jobs > 1:
         t0 = time.perf_counter()
@@ -494,10 +412,9 @@ def time_rows(args, common, sizes, rows, env):
         print(f"compiled ahead: {len(sizes)} rows' train steps in {time.perf_counter() - t0:.0f} s, "
               f"{min(args.compile_jobs, len(sizes))} at a time", file=sys.stderr)
     for m in sizes:
-        cmd = common + ["--row", str(m)]
-        cmd += ["--profile", args.profile] if args.profile else []
-        cmd += ["--train-only"] if args.train_only else []
-        row, code = child_json(cmd, f"the row with memory size {m}", env)
+        cmd = common + ["--row", str(m)] + (["--profile", args.profile] if args.profile else [])
+        row, code = json_or_error(run_child(cmd + (["--train-only"] if args.train_only else []), env),
+                                  f"the row with memory size {m}")
         if code:
             return code
         row["compiled_ahead_s"] = ahead.get(m)
@@ -505,48 +422,111 @@ def time_rows(args, common, sizes, rows, env):
         print(f"row {m}: step {row['step_s']:.4f} s, peak {row['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
               f"{row['compile_s']:.0f} s" + (f" (ahead: {ahead[m]:.0f} s)" if m in ahead else ""), file=sys.stderr)
     if args.rounds:
-        paired, code = child_json(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds", str(args.rounds),
-                                            "--alternate"], "the alternated rounds", env)
+        paired, code = json_or_error(run_child(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds",
+                                                         str(args.rounds), "--alternate"], env), "the alternated rounds")
         if code:
             return code
         for r in rows:
             r.update(paired[str(r["memory_size"])])
-        print(f"alternated: {train.plural(args.rounds, 'round')}", file=sys.stderr)
+        print(f"alternated: {runs.plural(args.rounds, 'round')}", file=sys.stderr)
     return 0
 
 
+# ----------------------------------------------------------------------------- --peer
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_benchmark.py")
+
+
+def side_by_side(ours_runs, theirs_runs, sizes):
+    """--peer's rows from the repeats ({size: row} each; theirs {} where the peer was skipped): each
+    ratio taken within a repeat, then the median over the repeats, with the range of ours over theirs."""
+    med = lambda xs: statistics.median(xs) if xs else None
+    rows = []
+    for m in sizes:
+        ours, theirs = [run[m] for run in ours_runs], [run[m] for run in theirs_runs if run]
+        over = [o["step_s"] / t["step_s"] for o, t in zip(ours, theirs)]
+        ratio = lambda repeats: med([run[m]["step_s"] / run[sizes[0]]["step_s"] for run in repeats if run])
+        rows.append({"memory_size": m, "ours_step_s": med([o["step_s"] for o in ours]), "ours_ratio": ratio(ours_runs),
+                     "ours_recall": ours[0]["recall"], "theirs_step_s": med([t["step_s"] for t in theirs]),
+                     "theirs_ratio": ratio(theirs_runs), "theirs_recall": theirs[0]["recall"] if theirs else None,
+                     "ours_over_theirs": med(over), "ours_over_theirs_min": min(over, default=None),
+                     "ours_over_theirs_max": max(over, default=None), "ours_over_theirs_by_repeat": over})
+    return rows
+
+
+def peer_table(args, common, sizes):
+    """--peer: ours (the rows, as always) and theirs (peer_benchmark.py in the peer's Python), --repeats
+    times in turn, then the side-by-side table."""
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # no spinning threads
+    skip, _, err = run_child([args.peer, PEER, "--check"], env=env)
+    if skip:
+        print(f"peer: skipped, {args.peer} cannot import it ({(err.strip().splitlines() or [f'exit code {skip}'])[-1]}"
+              f"); peer_benchmark.py says what to install.")
+    ours_runs, theirs_runs = [], []
+    for _ in range(args.repeats):
+        ours_runs.append([])
+        code = time_rows(args, common, sizes, ours_runs[-1], None)
+        if code:
+            return code
+        ours_runs[-1], theirs_runs = {r["memory_size"]: r for r in ours_runs[-1]}, theirs_runs + [{}]
+        for m in sizes if not skip else ():
+            row, code = json_or_error(run_child([args.peer, PEER, str(m), str(args.steps)], env), f"the peer's row {m}")
+            if code:
+                return code
+            theirs_runs[-1][m] = row
+    rows, f = side_by_side(ours_runs, theirs_runs, sizes), lambda x, spec: "-" if x is None else format(x, spec)
+    print(f"{ours_runs[0][sizes[0]]['device']}, medians of {runs.plural(args.steps, 'step')} and of "
+          f"{runs.plural(args.repeats, 'repeat')}" + ("" if skip else f"; peer: torch {theirs_runs[0][sizes[0]]['torch']}"
+                                                      f", {theirs_runs[0][sizes[0]]['threads']} threads"))
+    columns = (("memory_size", "memory", "d"), ("ours_step_s", "ours s", ".4f"), ("ours_ratio", "ratio", ".3f"),
+               ("ours_recall", "recall", ".3f"), ("theirs_step_s", "theirs s", ".4f"), ("theirs_ratio", "ratio", ".3f"),
+               ("theirs_recall", "recall", ".3f"), ("ours_over_theirs", "ours/theirs", ".3f"),
+               ("ours_over_theirs_min", "min", ".3f"), ("ours_over_theirs_max", "max", ".3f"))
+    print(" ".join(f"{title:>11}" for _, title, _ in columns))
+    for r in rows:
+        print(" ".join(f"{f(r[key], spec):>11}" for key, _, spec in columns))
+    if args.json:
+        tag = lambda repeats: [dict(row, repeat=i) for i, run in enumerate(repeats) for row in run.values()]
+        runs.write_output(args.json, runs.json_text({"repeats": args.repeats, "rows": rows, "ours": tag(ours_runs),
+                                                     "theirs": tag(theirs_runs)}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- the command
 def build_parser():
-    import memorizing_transformer as mt
-    import train
-    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=train.HelpFormatter)
-    positive_int = train.positive_int
+    p = runs.Parser(description=__doc__.split("\n\n")[0], formatter_class=runs.HelpFormatter)
     p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny", help="model config to time")
-    p.add_argument("--batch-size", type=positive_int, help="batch rows (preset's value if unset)")
-    p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory (the baseline)")
-    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per row (median reported)")
+    p.add_argument("--batch-size", type=runs.positive_int, help="batch rows (preset's value if unset)")
+    p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory (the "
+                   "baseline)")
+    p.add_argument("--steps", type=runs.positive_int, default=5, help="timed steps per row (median reported)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation precision")
     p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache "
                    "(default: the same as --dtype)")
     p.add_argument("--attention", choices=["explicit", "fused"], default="explicit", help="local attention "
                    "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)")
-    p.add_argument("--json", type=train.path_arg, help="write the rows to this file as a list of objects")
-    p.add_argument("--profile", type=train.path_arg,
-                   metavar="DIR", help="also trace --steps steps of each row; print the XLA operations "
-                   "that took the most time and the largest arrays the step's operations produce, and keep the "
-                   "trace, the HLO and the tables in DIR")
+    p.add_argument("--ops", choices=sorted(OPS), default="fast", help="the model's pieces: kernels.FAST, or the plain "
+                   "ones of memorizing_transformer.py (what the kernels buy)")
+    p.add_argument("--json", type=runs.path_arg, help="write the rows to this file as a list of objects (replaced "
+                   "atomically)")
+    p.add_argument("--profile", type=runs.path_arg, metavar="DIR", help="also trace --steps steps of each row; print "
+                   "the XLA operations that took the most time and the largest arrays the step's operations write, "
+                   "and keep the trace, the HLO and the tables in DIR")
     p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
-                   "table (three programs fewer to compile per row, for a short lease on an accelerator)")
-    p.add_argument("--search", action="store_true", help="time the memory search alone, in its four forms (binned "
-                   "in whole rows or whole bins, whole rows with the scores laid out the other way, and exact), with "
-                   "the binned answer's recall, and its final top-k alone, by lax.top_k and in passes; memory size 0 "
-                   "is skipped")
+                   "table (three programs fewer to compile per row)")
+    p.add_argument("--search", action="store_true", help="time the memory search alone, in its forms (the kernel's "
+                   "and the plain binned search, and the exact one), with the binned answer's recall, and its final "
+                   "top-k alone, by lax.top_k and in passes; memory size 0 is skipped")
     p.add_argument("--rounds", type=int, default=0, help="also call every row's train step in turn in one process for "
                    "this many rounds, and give each row's median ratio to the no-memory step of the same round "
-                   "(the `paired` column; steadier on a shared machine than `ratio`); 0: not done")
-    p.add_argument("--compile-jobs", type=positive_int, default=1, help="first compile every row's train step, this "
-                   "many rows at a time in parallel processes, into a JAX compilation cache that the timed rows then "
-                   "load from; the rows are still timed one after another. For a GPU, where a paper row's step "
-                   "compiles for minutes; 1: each row compiles in its own timed process")
+                   "(`paired`; steadier on a shared machine than `ratio`); 0: not done")
+    p.add_argument("--compile-jobs", type=runs.positive_int, default=1, help="first compile every row's train step, "
+                   "this many rows at a time in parallel processes, into a JAX compilation cache that the timed rows "
+                   "then load from (for a GPU, where a paper row compiles for minutes)")
+    p.add_argument("--peer", type=runs.path_arg, metavar="PYTHON", help="also time lucidrains' "
+                   "memorizing-transformers-pytorch in this Python (peer_benchmark.py) and give the side-by-side "
+                   "table; tiny preset, float32")
+    p.add_argument("--repeats", type=runs.positive_int, default=1, help="with --peer: both sides this many times in "
+                   "turn, each ratio taken within a repeat, the medians reported")
     p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # internal: compile --row's step
     p.add_argument("--alternate", action="store_true", help=argparse.SUPPRESS)  # internal: --rounds in this process
@@ -554,74 +534,79 @@ def build_parser():
 
 
 def main(argv=None):
-    import train
-    return train.run_main(build_parser(), benchmark, argv)
+    return runs.run_main(build_parser(), benchmark, argv)
 
 
 def memory_sizes(text, base, batch, dtype):
     """--memory-sizes as a list of ints, each a size this preset, batch and dtype can run (a
     UsageError otherwise): every size is checked before any row runs."""
-    import train
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise train.UsageError(f"--memory-sizes must be comma-separated integers, got {text!r}.") from None
+        raise runs.UsageError(f"--memory-sizes must be comma-separated integers, got {text!r}.") from None
     if not sizes:
-        raise train.UsageError("--memory-sizes is empty.")
-    if len(set(sizes)) < len(sizes):  # rows are named by their size (the paired rounds, --profile's files)
-        raise train.UsageError(f"--memory-sizes names a size twice: {text!r}.")
+        raise runs.UsageError("--memory-sizes is empty.")
+    if len(set(sizes)) < len(sizes):  # rows are named by their size
+        raise runs.UsageError(f"--memory-sizes names a size twice: {text!r}.")
     for m in sizes:
         try:
             config = base.replace(memory_size=m, batch_size=batch, grad_accum=1, dtype=dtype)
         except ValueError as e:
-            raise train.UsageError(f"--memory-sizes {m}: {e}") from None
-        train.check_fits(config, batch)
+            raise runs.UsageError(f"--memory-sizes {m}: {e}") from None
+        runs.check_fits(config, batch)
     return sizes
 
 
+def check_flags(args, sizes):
+    """Refuse flags that cannot go together, before anything runs."""
+    alone = {"search": "--search times the search alone, in one process", "peer": "--peer times the tiny preset's "
+             "step beside the peer's"}
+    defaults = {"train_only": False, "profile": None, "rounds": 0, "compile_jobs": 1, "search": False}
+    for flag, what in alone.items():
+        others = [f"--{o.replace('_', '-')}" for o, default in defaults.items() if o != flag and getattr(args, o) != default]
+        if getattr(args, flag) and others:
+            raise runs.UsageError(f"{what}: it cannot be combined with {others[0]}.")
+    if args.rounds < 0:
+        raise runs.UsageError(f"--rounds must be 0 or more, got {args.rounds}.")
+    if args.search and not any(sizes):
+        raise runs.UsageError("--search needs a memory size above 0 in --memory-sizes.")
+    if args.peer and (args.preset, args.batch_size or 8, args.dtype) != ("tiny", 8, "float32"):
+        raise runs.UsageError("--peer times the tiny preset's step (batch 8, float32) beside the peer's.")
+    if args.peer and shutil.which(args.peer) is None:
+        raise runs.UsageError(f"--peer {args.peer} is not a program that can be run.")
+    if args.repeats > 1 and not args.peer:
+        raise runs.UsageError("--repeats goes with --peer.")
+
+
 def benchmark(args):
-    import memorizing_transformer as mt
-    import train
     base = mt.PRESETS[args.preset]
     batch = args.batch_size or base.batch_size
     sizes = memory_sizes(args.memory_sizes, base, batch, args.dtype)
-    if args.search and (args.train_only or args.profile):
-        raise train.UsageError("--search times the search alone: it cannot be combined with --train-only or --profile.")
-    if args.rounds < 0:
-        raise train.UsageError(f"--rounds must be 0 or more, got {args.rounds}.")
-    if args.search and args.rounds:
-        raise train.UsageError("--search times the search alone: it cannot be combined with --rounds.")
-    if args.search and args.compile_jobs > 1:
-        raise train.UsageError("--search times the search alone, in one process: it cannot be combined with "
-                               "--compile-jobs.")
-    if args.search and not any(sizes):
-        raise train.UsageError("--search needs a memory size above 0 in --memory-sizes.")
+    check_flags(args, sizes)
+    setting = (args.dtype, args.memory_dtype)
     if args.alternate:
         if not args.rounds:
-            raise train.UsageError("--alternate (internal) needs --rounds above 0.")
-        print(json.dumps(alternate_rows(args.preset, batch, sizes, args.rounds, args.dtype, args.memory_dtype,
-                                        args.attention)))
-        return 0
+            raise runs.UsageError("--alternate (internal) needs --rounds above 0.")
+        rows = alternate_rows(args.preset, batch, sizes, args.rounds, *setting, args.attention, args.ops)
+        return print(json.dumps(rows)) or 0
     if args.row is not None and args.compile_only:
-        print(json.dumps(compile_row(args.preset, batch, args.row, args.dtype, args.memory_dtype, args.attention)))
-        return 0
+        return print(json.dumps(compile_row(args.preset, batch, args.row, *setting, args.attention, args.ops))) or 0
     if args.row is not None:
-        print(json.dumps(run_row(args.preset, batch, args.row, args.steps, args.dtype, args.memory_dtype, args.profile,
-                                 args.attention, args.train_only)))
-        return 0
+        return print(json.dumps(run_row(args.preset, batch, args.row, args.steps, *setting, args.profile,
+                                        args.attention, args.train_only, args.ops))) or 0
     if args.json:
-        train.check_output_file(args.json, "json")
+        runs.check_output_file(args.json, "json")
     if args.profile:
-        train.check_writable_dir(args.profile, "--profile")
+        runs.check_writable_dir(args.profile, "--profile")
         os.makedirs(args.profile, exist_ok=True)
     if args.search:
         return search_table(args, base, batch, sizes)
-
-    rows = []
-    common = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch),
-              "--steps", str(args.steps), "--dtype", args.dtype, "--attention", args.attention]
+    common = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch), "--steps",
+              str(args.steps), "--dtype", args.dtype, "--attention", args.attention, "--ops", args.ops]
     common += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
-    env, own_cache = None, None
+    if args.peer:
+        return peer_table(args, common, sizes)
+    rows, env, own_cache = [], None, None
     if args.compile_jobs > 1:
         cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
         if not cache:  # one of this run's, removed at the end
@@ -635,6 +620,14 @@ def benchmark(args):
             shutil.rmtree(own_cache, ignore_errors=True)
     if code:
         return code
+    print_rows(args, base, batch, rows)
+    if args.json:
+        runs.write_output(args.json, runs.json_text(rows))
+    return 0
+
+
+def print_rows(args, c, batch, rows):
+    """The train-step table (and the forward-pass table, and --profile's)."""
     base_row = next((r for r in rows if r["memory_size"] == 0), rows[0])
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in rows[0]["device"]), None)
     for r in rows:
@@ -646,13 +639,11 @@ def benchmark(args):
         # Peak memory added by the memory, over the memory's own storage (keys and values).
         r["peak_growth"] = ((r["peak_bytes"] - base_row["peak_bytes"]) / r["memory_bytes"]
                             if r["memory_bytes"] and base_row["memory_size"] == 0 else None)
-
-    c = base
     print(f"device: {rows[0]['device']} | preset {args.preset}: {c.num_layers} layers, d_model {c.d_model}, "
           f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
-          f"{rows[-1]['memory_dtype']}, {args.attention} attention, median of {train.plural(args.steps, 'step')}")
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"
-    fmt4 = lambda x: "-" if x is None else f"{x:.4f}"
+          f"{rows[-1]['memory_dtype']}, {args.attention} attention, {args.ops} ops, median of "
+          f"{runs.plural(args.steps, 'step')}")
+    fmt = lambda x, spec=".3f": "-" if x is None else format(x, spec)
     print("\ntrain step")
     print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'growth':>7} "
           f"{'recall':>7}" + (f" {'MFU':>6}" if rows[0]["mfu"] is not None else "") +
@@ -668,14 +659,14 @@ def benchmark(args):
               f"--memory-sizes has no 0 (no memory, the baseline)")
     print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
     if args.rounds:
-        print(f"paired: median over {train.plural(args.rounds, 'round')}, the rows' steps called in turn in one process, of each "
-              f"step's time over the no-memory step's in the same round (min, max); /floor: paired over floor")
+        print(f"paired: median over {runs.plural(args.rounds, 'round')}, the rows' steps called in turn in one process, "
+              f"of each step's time over the no-memory step's in the same round (min, max); /floor: paired over floor")
     if not args.train_only:
         print("\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it differentiates")
         print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7} {'fwd+loss s':>11} {'grad s':>9} {'grad/fwd':>9}")
         for r in rows:
             print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} "
-                  f"{r['forward_floor_ratio']:>7.3f} {fmt4(r['loss_forward_s']):>11} {fmt4(r['grad_s']):>9} "
+                  f"{r['forward_floor_ratio']:>7.3f} {fmt(r['loss_forward_s'], '.4f'):>11} {fmt(r['grad_s'], '.4f'):>9} "
                   f"{fmt(r['grad_over_forward']):>9}")
     for r in rows if args.profile else ():
         print(f"\nwhere the step's time goes, memory {r['memory_size']}: ms per step by the JAX operation it came "
@@ -686,12 +677,7 @@ def benchmark(args):
               f"an update in place counts its whole array):")
         for b in r["profile"]["largest_buffers"]:
             print(f"{b['bytes'] / 2 ** 20:>9.1f}  {b['shape']:<28} {b['opcode']} {b['source'][-80:]}")
-    if args.json:
-        train.write_output(args.json, train.json_text(rows))
-    return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    import train
-    train.exit_with(code)
+    runs.exit_with(main())

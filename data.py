@@ -773,3 +773,50 @@ class SegmentBatches:
 def segment_batches(docs, batch_size, segment_length, seed=0):
     """The core of the pipeline: an endless iterator of batches (see SegmentBatches)."""
     return SegmentBatches(docs, batch_size, segment_length, seed)
+
+
+# ----------------------------------------------------------------------------- a run's data
+def parse_suffixes(text):
+    """--suffixes ".py,.c,.h" -> (".py", ".c", ".h"); None -> None."""
+    if text is None:
+        return None
+    suffixes = tuple(x.strip() for x in text.split(","))
+    if not all(suffixes):
+        raise DataError(f"--suffixes takes comma-separated file name endings such as .py,.c,.h, got {text!r}.")
+    return suffixes
+
+
+def prepare(args, vocab_size, tokenizer_path=None):
+    """A run's data, from its flags (data, data_format, suffixes, valid_fraction, min_doc_tokens,
+    eval_docs, eval_tokens, cache_dir): (train tokens, validation tokens cut to eval_docs and
+    eval_tokens, their reference distances or None, the tokenizer's path, the fingerprints of the
+    training and the whole validation documents). Writes only to the cache, whose every file is
+    named by a hash of what determines its content."""
+    os.makedirs(args.cache_dir, exist_ok=True)
+    docs = load_documents(args.data, args.data_format, seed=0, suffixes=parse_suffixes(args.suffixes))
+    train_docs, valid_docs = split_documents(docs, args.valid_fraction, seed=0)
+    # the documents as read, whatever the path, format or suffixes that gave them
+    key = hashlib.sha256(f"{corpus_key(docs)}|valid_fraction {args.valid_fraction!r}".encode()).hexdigest()[:16]
+    if tokenizer_path:
+        sp = load_tokenizer(tokenizer_path)
+    else:
+        sp, tokenizer_path = get_tokenizer(train_docs, vocab_size, args.cache_dir, key)
+    if sp.get_piece_size() > vocab_size:
+        raise DataError(f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {vocab_size}.")
+    with open(tokenizer_path, "rb") as f:
+        tok_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+    cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{tok_hash}-{part}.npz")
+    train, _ = tokenize(train_docs, sp, cache("train"))
+    valid, refs = tokenize(valid_docs, sp, cache("valid"))
+    if args.min_doc_tokens:
+        train = [t for t in train if len(t) >= args.min_doc_tokens]
+        keep = [i for i, t in enumerate(valid) if len(t) >= args.min_doc_tokens]
+        valid, refs = [valid[i] for i in keep], [refs[i] for i in keep]
+    if not train or not valid:
+        raise DataError(f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split.")
+    documents = {"train": fingerprint(train), "validation": fingerprint(valid)}
+    valid = [t[:args.eval_tokens + 1] for t in valid[:args.eval_docs]]
+    refs = [r[:len(t)] for t, r in zip(valid, refs)]
+    # Synthetic data: how far back each reference's value last appeared.
+    distances = [reference_distances(t, r) for t, r in zip(valid, refs)] if any(r.any() for r in refs) else None
+    return train, valid, distances, tokenizer_path, documents

@@ -36,12 +36,10 @@ import jax
 import numpy as np
 
 import data
+import kernels
 import memorizing_transformer as mt
+import runs
 import train
-
-
-class UsageError(train.UsageError):
-    pass
 
 
 # ----------------------------------------------------------------------------- loading a run
@@ -49,27 +47,27 @@ def load_run(run_dir, memory_size=None):
     """(config, params, tokenizer, saved args) of a run; memory_size overrides the config's
     (Sec. 4.4: a model trained with a small memory evaluated with a larger one). The args
     carry the checkpoint's fingerprints of its documents as "documents" (None if it has none)."""
-    saved = train.read_run_config(run_dir)
+    saved = runs.read_run_config(run_dir)
     config = saved["config"]
     if memory_size is not None:
         try:
             config = config.replace(memory_size=memory_size)
         except ValueError as e:  # the flag named: the config's words alone (num_neighbors, ...) are the run's
-            raise UsageError(f"memory size {memory_size} does not fit the run in {run_dir}: {e}") from None
-    train.check_fits(config, 1)
+            raise runs.UsageError(f"memory size {memory_size} does not fit the run in {run_dir}: {e}") from None
+    runs.check_fits(config, 1)
     sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))
     if sp.get_piece_size() > config.vocab_size:
-        raise UsageError(f"{run_dir}/tokenizer.model has {sp.get_piece_size()} pieces, more than the run's "
+        raise runs.UsageError(f"{run_dir}/tokenizer.model has {sp.get_piece_size()} pieces, more than the run's "
                          f"vocab_size {config.vocab_size}: it is not the run's tokenizer.")
     ckpt = os.path.join(run_dir, "checkpoint.npz")
-    meta, arrays = train.load_checkpoint(ckpt)
+    meta, arrays = runs.load_checkpoint(ckpt)
     # A run trained without memory, evaluated with one, gets fresh gates (g = 0.5): only then
     # are parameters initialized; otherwise their shapes are the template (no compile, no work).
     fresh_gates = bool(config.active_memory_layers) and not any("gate_bias" in k for k in arrays)
     init = lambda: mt.init_params(config, jax.random.PRNGKey(0))
     if fresh_gates:  # then only the gates may be missing (strict=False below)
-        train.check_same_model(jax.eval_shape(init), arrays, ckpt)
-    params = train.restore_tree(init() if fresh_gates else jax.eval_shape(init), arrays, "params", ckpt,
+        runs.check_same_model(jax.eval_shape(init), arrays, ckpt)
+    params = runs.restore_tree(init() if fresh_gates else jax.eval_shape(init), arrays, "params", ckpt,
                                 strict=not fresh_gates)
     return config, params, sp, dict(saved["args"], documents=meta.get("documents"))
 
@@ -78,18 +76,18 @@ def validation_docs(args, run_args, sp, config):
     """The run's validation documents as training scored them, as token arrays: the same
     split, the run's --suffixes (for its own corpus) and its --min-doc-tokens filter."""
     if not args.data:
-        train.check_run_data_here(run_args["data"])
+        runs.check_run_data_here(run_args["data"])
     source = args.data or run_args["data"]
     own = data.same_source(source, run_args["data"])
     fmt = args.data_format or (run_args["data_format"] if own else "auto")
-    suffixes = train.parse_suffixes(run_args.get("suffixes")) if own else None
+    suffixes = data.parse_suffixes(run_args.get("suffixes")) if own else None
     docs = data.load_documents(source, fmt, seed=0, verbose=False, suffixes=suffixes)
     _, valid = data.split_documents(docs, run_args["valid_fraction"], seed=0)
     tokens, refs = data.tokenize(valid, sp)
     shortest = run_args.get("min_doc_tokens") or 0
     kept = [(t, r) for t, r in zip(tokens, refs) if len(t) >= shortest]
     if not kept:
-        raise UsageError(f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}.")
+        raise runs.UsageError(f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}.")
     for t, _ in kept:
         mt.check_tokens(t, config.vocab_size)
     known = (run_args.get("documents") or {}).get("validation") if own and fmt == run_args["data_format"] else None
@@ -119,7 +117,7 @@ def _stream_step(config):
     """forward with retrievals and per-token cross-entropy, jitted once per config."""
     def step(params, state, batch):
         logits, state, ret = mt.forward(params, state, batch["tokens"], batch["reset"], config,
-                                        mask=batch["mask"], return_retrievals=True)
+                                        mask=batch["mask"], return_retrievals=True, ops=kernels.FAST)
         return state, mt.cross_entropy(logits, batch["targets"]), ret
     return jax.jit(step)
 
@@ -137,7 +135,7 @@ def cmd_perplexity(args):
     distances = [data.reference_distances(d, r) for d, r in zip(docs, refs)] if any(r.any() for r in refs) else None
     result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk,
               **train.full_evaluation(params, config, docs, distances, train.make_eval_step(train.step_config(config)))}
-    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {train.plural(result['tokens'], 'token')})"
+    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {runs.plural(result['tokens'], 'token')})"
     if config.active_memory_layers:
         line += f" | memory off: {result['perplexity_memory_off']:.3f}"
     print(f"memory {config.memory_size}{', exact top-k' if config.exact_topk else ''}: {line}")
@@ -147,15 +145,15 @@ def cmd_perplexity(args):
             print(f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss {result[f'reference_loss{band}']:.4f}"
                   f" over {result[f'reference_tokens{band}']}" + ("" if off is None else f" (memory off: {off:.4f})"))
     if args.json:
-        train.write_output(args.json, train.json_text(result))
+        runs.write_output(args.json, runs.json_text(result))
     return 0
 
 
 def _doc(args, run_args, sp, config):
     docs, refs = validation_docs(args, run_args, sp, config)
     if not 0 <= args.doc < len(docs):
-        raise UsageError(f"--doc {args.doc} is out of range: the validation set has "
-                         f"{train.plural(len(docs), 'document')}.")
+        raise runs.UsageError(f"--doc {args.doc} is out of range: the validation set has "
+                         f"{runs.plural(len(docs), 'document')}.")
     doc = docs[args.doc][:args.max_tokens + 1] if args.max_tokens else docs[args.doc]
     return doc, refs[args.doc][:len(doc)]
 
@@ -195,7 +193,7 @@ def cmd_compare(args):
     try:
         a, b = (int(x) for x in args.memory_sizes.split(","))
     except ValueError:
-        raise UsageError(f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}.") from None
+        raise runs.UsageError(f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}.") from None
     # Each size has its own parameters: a memory size of 0 has no gates, a memory one needs them.
     config_a, params_a, sp, run_args = load_run(args.run_dir, a)
     config_b, params_b, _, _ = load_run(args.run_dir, b)
@@ -213,7 +211,7 @@ def cmd_compare(args):
     w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta", "kind", "context_reach"])
     for i, (t, x, y, d) in enumerate(zip(doc[1:], ce_a, ce_b, delta)):
         w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}", kinds[i], reaches[i]])
-    train.write_output(args.csv, table.getvalue())
+    runs.write_output(args.csv, table.getvalue())
     print(f"memory {a} vs {b} on validation document {args.doc} ({len(delta)} tokens): mean delta "
           f"{delta.mean():+.4f} nats, {np.mean(delta > 0):.1%} of tokens improved")
     for i in np.argsort(-delta)[:10]:
@@ -239,7 +237,7 @@ def cmd_compare(args):
             ax.set_xlabel("token index")
             ax.set_ylabel(f"CE(M={a}) - CE(M={b})")
             fig.tight_layout()
-            train.write_output(args.plot, lambda f: fig.savefig(f, dpi=120, format="png"))
+            runs.write_output(args.plot, lambda f: fig.savefig(f, dpi=120, format="png"))
     return 0
 
 
@@ -254,7 +252,7 @@ def slot_position(slot, segment, config):
 def cmd_inspect(args):
     config, params, sp, run_args = load_run(args.run_dir)
     if not config.active_memory_layers:
-        raise UsageError(f"{args.run_dir} has no memory to inspect.")
+        raise runs.UsageError(f"{args.run_dir} has no memory to inspect.")
     doc, _ = _doc(args, run_args, sp, config)
     ce_on, retrievals = per_token_loss(params, config, doc)
     ce_off, _ = per_token_loss(mt.memory_off(params), config, doc)
@@ -285,7 +283,7 @@ def cmd_recall(args):
     which: the memory layer's keys come from the layers below it)."""
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
     if not config.active_memory_layers:
-        raise UsageError(f"{args.run_dir} has no memory.")
+        raise runs.UsageError(f"{args.run_dir} has no memory.")
     if args.dtype:  # e.g. a float32 run's weights with bfloat16 keys, queries and scores
         config = config.replace(dtype=args.dtype, memory_dtype=None)
     doc, _ = _doc(args, run_args, sp, config)
@@ -304,9 +302,9 @@ def cmd_recall(args):
     if not total:
         need = -(-K // T) * T + 1  # the first segment whose queries have K memories, plus a target
         if args.max_tokens and args.max_tokens < need:
-            raise UsageError(f"--max-tokens {args.max_tokens} is too few: no query had {K} memories to choose "
+            raise runs.UsageError(f"--max-tokens {args.max_tokens} is too few: no query had {K} memories to choose "
                              f"from; give at least {need} (k {K}, T {T}).")
-        raise UsageError(f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
+        raise runs.UsageError(f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
                          f"pick a longer one with --doc.")
     bins = mt.bin_layout(K, config.memory_size, config.topk_recall_target)[0]
     result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk, "k": K, "bins": bins, "recall": hits / total,
@@ -314,7 +312,7 @@ def cmd_recall(args):
     print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
           f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")
     if args.json:
-        train.write_output(args.json, train.json_text(result))
+        runs.write_output(args.json, runs.json_text(result))
     return 0
 
 
@@ -365,10 +363,10 @@ def script_json(value):
 def cmd_explore(args):
     config, params, sp, run_args = load_run(args.run_dir)
     if not config.active_memory_layers:
-        raise UsageError(f"{args.run_dir} has no memory to explore.")
+        raise runs.UsageError(f"{args.run_dir} has no memory to explore.")
     doc, _ = _doc(args, run_args, sp, config)
     page = explore_data(params, config, sp, doc, args.top, args.run_dir, args.doc)
-    train.write_output(args.out, EXPLORE_PAGE.replace("__DATA__", script_json(page)))
+    runs.write_output(args.out, EXPLORE_PAGE.replace("__DATA__", script_json(page)))
     s = page["summary"]
     print(f"{args.out}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} (memory off "
           f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory")
@@ -484,22 +482,22 @@ def cmd_reach(args):
     loss is low where the memory holds the definition, and at chance where it does not."""
     probe_tokens = args.docs * sum(args.distances)  # about: each document is its distance and ~100 tokens more
     if probe_tokens > REACH_MAX_TOKENS:  # (generated in memory before the first row: it once ran without end)
-        raise UsageError(f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for about "
+        raise runs.UsageError(f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for about "
                          f"{probe_tokens:,} tokens of probe documents; reach makes at most {REACH_MAX_TOKENS:,} "
                          f"(its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,}).")
     config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0])
     if args.exact_topk is not None:
         config = config.replace(exact_topk=args.exact_topk)
     if not data.is_synthetic(run_args["data"]):
-        raise UsageError(f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic task's "
+        raise runs.UsageError(f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic task's "
                          f"bindings, so it needs a run trained with --data synthetic.")
     configs = []
     for m in args.memory_sizes:  # every size checked before anything runs
         try:
             configs.append(config.replace(memory_size=m))
         except ValueError as e:
-            raise UsageError(f"--memory-sizes {m}: {e}") from None
-        train.check_fits(configs[-1], config.batch_size)
+            raise runs.UsageError(f"--memory-sizes {m}: {e}") from None
+        runs.check_fits(configs[-1], config.batch_size)
     steps = {m: train.make_eval_step(train.step_config(c)) for m, c in zip(args.memory_sizes, configs)}
     chance = math.log(len(data.SYNTHETIC_VALUES))
     print(f"{'distance':>8} {'memory':>7} {'in reach':>9} {'far loss':>9} {'memory off':>11} {'tokens':>7} "
@@ -527,10 +525,10 @@ def cmd_reach(args):
             print(f"{D:>8} {m:>7} {x['in_reach']:>9.0%} {x['far_loss']:>9.3f} {x['far_loss_memory_off']:>11.3f} "
                   f"{x['tokens']:>7} {x['mean_distance']:>14.1f} {x['seconds']:>8.1f}", flush=True)
     print(f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in "
-          f"{train.plural(args.docs, 'document')} per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
+          f"{runs.plural(args.docs, 'document')} per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
           f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) holds.")
     if args.json:
-        train.write_output(args.json, train.json_text(rows))
+        runs.write_output(args.json, runs.json_text(rows))
     return 0
 
 
@@ -540,15 +538,15 @@ def check_planned_run(out, flags):
     refused, not reported as this one."""
     if not os.path.isfile(os.path.join(out, "config.json")):
         return
-    args, saved = train.build_parser().parse_args(flags), train.read_run_config(out)
-    conflict = train.resume_conflict(args, saved, out, train.given_flags(flags))
+    args, saved = runs.train_parser().parse_args(flags), runs.read_run_config(out)
+    conflict = runs.resume_conflict(args, saved, out, runs.given_flags(flags))
     if not conflict:  # and the settings no flag names, the preset's: the model's size, ...
-        planned = train.config_from_args(args)
+        planned = runs.config_from_args(args)
         conflict = next(((f"--{f.name.replace('_', '-')} {getattr(planned, f.name)}", getattr(saved["config"], f.name))
-                         for f in dataclasses.fields(mt.Config) if f.name not in train.RESUME_MAY_CHANGE
+                         for f in dataclasses.fields(mt.Config) if f.name not in runs.RESUME_MAY_CHANGE
                          and getattr(planned, f.name) != getattr(saved["config"], f.name)), None)
     if conflict:
-        raise UsageError(f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
+        raise runs.UsageError(f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
                          f"choose another --out-root, or remove that run.")
 
 
@@ -557,7 +555,7 @@ def cache_flags(args):
     where it is not given)."""
     if args.cache_dir is None:
         return []
-    train.check_writable_dir(args.cache_dir, "--cache-dir")
+    runs.check_writable_dir(args.cache_dir, "--cache-dir")
     return ["--cache-dir", args.cache_dir]
 
 
@@ -565,14 +563,14 @@ def finished_or_trained(name, out, flags, steps, cache):
     """The eval.json of the run in `out` once it has finished at `steps` (a global step count):
     reused if it has, resumed if it stopped before, trained with `flags` if it is new; cache
     (cache_flags) in both cases. An exit code instead if training fails."""
-    ev = train.read_json(os.path.join(out, "eval.json"))
+    ev = runs.read_json(os.path.join(out, "eval.json"))
     if ev and ev.get("step") == steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss")):
         return ev
     resume = os.path.isfile(os.path.join(out, "config.json"))
     print(f"{'resuming' if resume else 'training'} {name} -> {out}", flush=True)
     code = train.main(["--out", out, "--resume", "--steps", str(steps)] + cache if resume
                       else flags + cache + ["--out", out])
-    return code or train.read_json(os.path.join(out, "eval.json"))
+    return code or runs.read_json(os.path.join(out, "eval.json"))
 
 
 def cmd_table(args):
@@ -580,11 +578,11 @@ def cmd_table(args):
     names = [n for n, _, _ in TABLE_ROWS]
     wanted = names if args.rows is None else [x.strip() for x in args.rows.split(",") if x.strip()]
     if not wanted:
-        raise UsageError(f"--rows {args.rows!r} names no row; choose from {names}.")
+        raise runs.UsageError(f"--rows {args.rows!r} names no row; choose from {names}.")
     if set(wanted) - set(names):
-        raise UsageError(f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}.")
+        raise runs.UsageError(f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}.")
     T, B = args.segment_length or preset.segment_length, args.batch_size or preset.batch_size
-    train.check_writable_dir(args.out_root, "--out-root")
+    runs.check_writable_dir(args.out_root, "--out-root")
     cache = cache_flags(args)
     plan = []
     for name, segments, xl in [r for r in TABLE_ROWS if r[0] in wanted]:  # every row checked before any trains
@@ -600,17 +598,17 @@ def cmd_table(args):
             config = preset.replace(segment_length=T, memory_size=segments * T, xl_cache=xl, batch_size=B,
                                     num_neighbors=args.num_neighbors or preset.num_neighbors)
         except ValueError as e:
-            raise UsageError(f"row {name!r}: {e}") from None
-        train.check_fits(config, B)
+            raise runs.UsageError(f"row {name!r}: {e}") from None
+        runs.check_fits(config, B)
         # Seed 0 keeps the row's directory (the runs of a one-seed table); seed s > 0 goes beside it.
-        runs = [(s, base if s == 0 else f"{base}_seed{s}") for s in range(args.seeds)]
-        for seed, out in runs:
+        seeds = [(s, base if s == 0 else f"{base}_seed{s}") for s in range(args.seeds)]
+        for seed, out in seeds:
             check_planned_run(out, flags + ["--seed", str(seed)])
-        plan.append((name, segments, xl, runs, flags))
+        plan.append((name, segments, xl, seeds, flags))
     rows = []
-    for name, segments, xl, runs, flags in plan:
+    for name, segments, xl, seeds, flags in plan:
         per_seed = []
-        for seed, out in runs:
+        for seed, out in seeds:
             ev = finished_or_trained(f"{name}, seed {seed}", out, flags + ["--seed", str(seed)], args.steps, cache)
             if isinstance(ev, int):
                 return ev
@@ -625,7 +623,7 @@ def cmd_table(args):
         rows.append(row)
     # The ceiling: the share of validation tokens whose 3-token context last occurred beyond
     # the row's local window but within its memory, the tokens only a memory could help with.
-    saved = train.read_run_config(rows[0]["run"])  # every row has the same data and tokenizer
+    saved = runs.read_run_config(rows[0]["run"])  # every row has the same data and tokenizer
     config, run_args = saved["config"], saved["args"]
     sp = data.load_tokenizer(os.path.join(rows[0]["run"], "tokenizer.model"))
     docs, _ = validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
@@ -645,7 +643,7 @@ def cmd_table(args):
         print(f"ppl and memory off: mean ± standard deviation over {args.seeds} seeds (init and data order)")
     print(f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last occurred "
           f"beyond the window (segment + XL cache) but within the row's memory")
-    train.atomic_write(os.path.join(args.out_root, "table.json"), train.json_text(rows))
+    runs.atomic_write(os.path.join(args.out_root, "table.json"), runs.json_text(rows))
     return 0
 
 
@@ -670,16 +668,16 @@ def cmd_finetune(args):
     common += sum([[f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                    ("segment_length", "batch_size", "num_neighbors", "memory_size") if getattr(args, k)], [])
     try:
-        config = train.config_from_args(train.build_parser().parse_args(common))
-    except train.UsageError as e:
-        raise UsageError(str(e)) from None
+        config = runs.config_from_args(runs.train_parser().parse_args(common))
+    except runs.UsageError as e:
+        raise runs.UsageError(str(e)) from None
     if not config.memory_size:
-        raise UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
+        raise runs.UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
     # every setting named, the preset's where a flag is not given: a run of other settings is then refused
     common += ["--segment-length", str(config.segment_length), "--batch-size", str(config.batch_size),
                "--num-neighbors", str(config.num_neighbors), "--memory-size", str(config.memory_size)]
-    train.check_fits(config, config.batch_size)
-    train.check_writable_dir(args.out_root, "--out-root")
+    runs.check_fits(config, config.batch_size)
+    runs.check_writable_dir(args.out_root, "--out-root")
     cache = cache_flags(args)
     # A fresh start counts its steps from 0 again: its own directory, and its curve shifted.
     tuned_dir = "fine_tuned_fresh_start" if args.fresh_start else "fine_tuned"
@@ -715,21 +713,21 @@ def cmd_finetune(args):
         curve.append({"step": step, "memory_from_scratch": a, "fine_tuned": b,
                       "fine_tuned_has_memory": step > args.steps})
     summary = os.path.join(args.out_root, f"{tuned_dir.replace('fine_tuned', 'finetune')}.json")
-    train.atomic_write(summary, train.json_text(
+    runs.atomic_write(summary, runs.json_text(
         {"steps": args.steps, "finetune_steps": args.finetune_steps, "fresh_start": args.fresh_start,
          "runs": dirs, "curve": curve}))
     return 0
 
 
 def build_parser():
-    p = train.Parser(description=__doc__.split("\n\n")[0])
+    p = runs.Parser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    positive, count = train.positive_int, train.count
+    positive, count = runs.positive_int, runs.count
 
     def with_run(name, help):
-        s = sub.add_parser(name, help=help, formatter_class=train.HelpFormatter)
-        s.add_argument("run_dir", type=train.path_arg, help="a train.py output directory")
-        s.add_argument("--data", type=train.path_arg, help="corpus (default: the run's own)")
+        s = sub.add_parser(name, help=help, formatter_class=runs.HelpFormatter)
+        s.add_argument("run_dir", type=runs.path_arg, help="a train.py output directory")
+        s.add_argument("--data", type=runs.path_arg, help="corpus (default: the run's own)")
         s.add_argument("--data-format", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
                        help="as in train.py (default: the run's own)")
         return s
@@ -740,13 +738,13 @@ def build_parser():
     s.add_argument("--eval-tokens", type=positive, help="tokens from each document's start (default: the run's)")
     s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
                    "approximate top-k (default: the run's)")
-    s.add_argument("--json", type=train.path_arg, help="write the result here")
+    s.add_argument("--json", type=runs.path_arg, help="write the result here")
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
     s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--csv", type=train.path_arg, required=True, help="per-token output")
-    s.add_argument("--plot", type=train.path_arg, help="a PNG of delta per token (needs matplotlib)")
+    s.add_argument("--csv", type=runs.path_arg, required=True, help="per-token output")
+    s.add_argument("--plot", type=runs.path_arg, help="a PNG of delta per token (needs matplotlib)")
     s = with_run("inspect", "what the memory retrieves for the tokens it helps most (Tables 6-8)")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
@@ -756,18 +754,18 @@ def build_parser():
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--top", type=positive, default=4, help="memories kept per query and head")
-    s.add_argument("--out", type=train.path_arg, required=True, help="the HTML file to write")
+    s.add_argument("--out", type=runs.path_arg, required=True, help="the HTML file to write")
     s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
     s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="run the model, store the memory and score "
                    "the search in this dtype, the exact top-k too (default: the run's)")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--json", type=train.path_arg, help="write the result here")
+    s.add_argument("--json", type=runs.path_arg, help="write the result here")
     s = sub.add_parser("reach", help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
                        "documents with references D tokens back (the needle test)",
-                       formatter_class=train.HelpFormatter)
-    s.add_argument("run_dir", type=train.path_arg,
+                       formatter_class=runs.HelpFormatter)
+    s.add_argument("run_dir", type=runs.path_arg,
                    help="a train.py output directory of a run trained on --data synthetic")
     s.add_argument("--distances", type=positive_ints, default="1024,4096,16384,61440",
                    help="comma-separated: how many tokens back each probe's value was defined")
@@ -777,13 +775,13 @@ def build_parser():
     s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
                    "approximate top-k (default: the run's)")
     s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
-    s.add_argument("--json", type=train.path_arg,
+    s.add_argument("--json", type=runs.path_arg,
                    help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
                    "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
     s = sub.add_parser("finetune", help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
-                       "memory from scratch for the same total steps", formatter_class=train.HelpFormatter)
+                       "memory from scratch for the same total steps", formatter_class=runs.HelpFormatter)
     s.add_argument("--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run")
-    s.add_argument("--data", type=train.path_arg, default="synthetic", help="corpus of every run")
+    s.add_argument("--data", type=runs.path_arg, default="synthetic", help="corpus of every run")
     s.add_argument("--steps", type=positive, default=1500, help="steps without memory")
     s.add_argument("--finetune-steps", type=positive, default=500, help="steps of fine-tuning with memory after them")
     s.add_argument("--fresh-start", action="store_true", help="fine-tune with a fresh step count, warmup and "
@@ -795,30 +793,30 @@ def build_parser():
     s.add_argument("--batch-size", type=positive, help="rows (the preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (the preset's if unset)")
     s.add_argument("--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)")
-    s.add_argument("--cache-dir", type=train.path_arg,
+    s.add_argument("--cache-dir", type=runs.path_arg,
                    help="tokenizer, token and compilation cache of every run it trains or resumes "
                    "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
-    s.add_argument("--out-root", type=train.path_arg,
+    s.add_argument("--out-root", type=runs.path_arg,
                    default="runs/finetune", help="where the three runs go (no_memory, fine_tuned or "
                    "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one resumed; "
                    "finetune.json (or finetune_fresh_start.json) is written here")
     s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
-                       formatter_class=train.HelpFormatter)
-    s.add_argument("--data", type=train.path_arg, default="stdlib", help="corpus for every row")
+                       formatter_class=runs.HelpFormatter)
+    s.add_argument("--data", type=runs.path_arg, default="stdlib", help="corpus for every row")
     s.add_argument("--steps", type=positive, default=1200, help="training steps per row")
     s.add_argument("--segment-length", type=positive, help="T (tiny preset's if unset)")
     s.add_argument("--batch-size", type=positive, help="rows (tiny preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (tiny preset's if unset)")
     s.add_argument("--seeds", type=positive, default=1, help="train each row with seeds 0..N-1 (init and data "
                    "order) and report the mean and standard deviation")
-    s.add_argument("--init-gate-bias", type=train.finite_float, help="the memory rows' initial gate bias (train.py's "
+    s.add_argument("--init-gate-bias", type=runs.finite_float, help="the memory rows' initial gate bias (train.py's "
                    "--init-gate-bias; default: the preset's); use another --out-root for the runs")
     s.add_argument("--rows", help="comma-separated subset of the rows (default: all): " +
                    ", ".join(n for n, _, _ in TABLE_ROWS))
-    s.add_argument("--cache-dir", type=train.path_arg,
+    s.add_argument("--cache-dir", type=runs.path_arg,
                    help="tokenizer, token and compilation cache of every run it trains or resumes "
                    "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
-    s.add_argument("--out-root", type=train.path_arg,
+    s.add_argument("--out-root", type=runs.path_arg,
                    default="runs/table", help="where the runs go; a row whose run finished at --steps "
                    "is reused, an unfinished one is resumed")
     return p
@@ -827,15 +825,15 @@ def build_parser():
 def run(args):
     for name in ("json", "csv", "plot", "out"):
         if getattr(args, name, None):
-            train.check_output_file(getattr(args, name), name)
+            runs.check_output_file(getattr(args, name), name)
     return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect, "explore": cmd_explore,
             "recall": cmd_recall, "reach": cmd_reach, "finetune": cmd_finetune,
             "table": cmd_table}[args.command](args)
 
 
 def main(argv=None):
-    return train.run_main(build_parser(), run, argv)
+    return runs.run_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":
-    train.exit_with(main())
+    runs.exit_with(main())

@@ -29,8 +29,9 @@ import jax
 import numpy as np
 
 import evaluate
+import kernels
 import memorizing_transformer as mt
-import train
+import runs
 
 
 @functools.lru_cache(maxsize=8)
@@ -38,7 +39,7 @@ def _segment_step(config):
     """forward over one segment of one row, jitted once per config; the state is not donated
     (a partial segment's call must leave it as it was)."""
     return jax.jit(lambda params, state, tokens, reset, mask: mt.forward(params, state, tokens, reset, config,
-                                                                         mask=mask))
+                                                                         mask=mask, ops=kernels.FAST))
 
 
 def next_token(logits, temperature, top_k, rng):
@@ -125,21 +126,21 @@ class TextStream:
 
 
 def build_parser():
-    p = train.Parser(description=__doc__.split("\n\n")[0], formatter_class=train.HelpFormatter)
-    p.add_argument("run_dir", type=train.path_arg, help="a train.py output directory")
+    p = runs.Parser(description=__doc__.split("\n\n")[0], formatter_class=runs.HelpFormatter)
+    p.add_argument("run_dir", type=runs.path_arg, help="a train.py output directory")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
-    prompt.add_argument("--prompt-file", type=train.path_arg, help="a UTF-8 file whose whole text is the prompt")
-    prompt.add_argument("--prompt-doc", type=train.count, metavar="N", help="validation document N of the run's "
+    prompt.add_argument("--prompt-file", type=runs.path_arg, help="a UTF-8 file whose whole text is the prompt")
+    prompt.add_argument("--prompt-doc", type=runs.count, metavar="N", help="validation document N of the run's "
                         "corpus (as evaluate.py numbers them), cut at --prompt-tokens")
-    p.add_argument("--prompt-tokens", type=train.positive_int, help="with --prompt-doc: the first this many "
+    p.add_argument("--prompt-tokens", type=runs.positive_int, help="with --prompt-doc: the first this many "
                    "tokens are the prompt (default: the whole document)")
-    p.add_argument("--tokens", type=train.positive_int, default=100, help="tokens to generate")
-    p.add_argument("--temperature", type=train.finite_float, default=1.0, help="0 = greedy (argmax)")
-    p.add_argument("--top-k", type=train.positive_int, help="draw only from the K most likely tokens "
+    p.add_argument("--tokens", type=runs.positive_int, default=100, help="tokens to generate")
+    p.add_argument("--temperature", type=runs.finite_float, default=1.0, help="0 = greedy (argmax)")
+    p.add_argument("--top-k", type=runs.positive_int, help="draw only from the K most likely tokens "
                    "(default: from all of them)")
-    p.add_argument("--seed", type=train.int_at_least(0, 2 ** 32 - 1), default=0, help="seed of the draws")
-    p.add_argument("--memory-size", type=train.count, help="memory slots M (default: the run's)")
+    p.add_argument("--seed", type=runs.int_at_least(0, 2 ** 32 - 1), default=0, help="seed of the draws")
+    p.add_argument("--memory-size", type=runs.count, help="memory slots M (default: the run's)")
     p.add_argument("--memory-off", action="store_true", help="force every gate to 0: local attention and XL "
                    "cache only, the memory-off ablation")
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
@@ -148,36 +149,36 @@ def build_parser():
 
 def sample(args):
     if args.temperature < 0:
-        raise train.UsageError(f"--temperature must be >= 0, got {args.temperature}.")
+        raise runs.UsageError(f"--temperature must be >= 0, got {args.temperature}.")
     if args.prompt_tokens and args.prompt_doc is None:
-        raise train.UsageError("--prompt-tokens goes with --prompt-doc.")
+        raise runs.UsageError("--prompt-tokens goes with --prompt-doc.")
     text = args.prompt
     try:  # a shell passes bytes that are not UTF-8 as lone surrogates, which no tokenizer takes
         (text or "").encode("utf-8")
     except UnicodeEncodeError:
-        raise train.UsageError("--prompt is not UTF-8 text.") from None
+        raise runs.UsageError("--prompt is not UTF-8 text.") from None
     if args.prompt_file is not None:
         try:
             with open(args.prompt_file, "rb") as f:
                 text = f.read().decode("utf-8")
         except UnicodeDecodeError:
-            raise train.UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
+            raise runs.UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
         except FileNotFoundError:
-            raise train.UsageError(f"--prompt-file {args.prompt_file} does not exist.") from None
+            raise runs.UsageError(f"--prompt-file {args.prompt_file} does not exist.") from None
         except IsADirectoryError:
-            raise train.UsageError(f"--prompt-file {args.prompt_file} is a directory, not a file.") from None
+            raise runs.UsageError(f"--prompt-file {args.prompt_file} is a directory, not a file.") from None
     config, params, sp, run_args = evaluate.load_run(args.run_dir, args.memory_size)
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
     if args.prompt_doc is not None:
         docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
         if args.prompt_doc >= len(docs):
-            raise train.UsageError(f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
-                                   f"{train.plural(len(docs), 'document')}.")
+            raise runs.UsageError(f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
+                                   f"{runs.plural(len(docs), 'document')}.")
         prompt = [int(t) for t in docs[args.prompt_doc][:args.prompt_tokens]]
     else:
         prompt = sp.encode(text)
     if not prompt:
-        raise train.UsageError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file.")
+        raise runs.UsageError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file.")
     stream = TextStream(sp, lambda text: print(text, end="", flush=True), prompt)
     if args.echo:  # what the prompt's tokens spell (= the --prompt text), but for a character that it cuts
         print(stream.before, end="", flush=True)
@@ -191,8 +192,8 @@ def sample(args):
 
 
 def main(argv=None):
-    return train.run_main(build_parser(), sample, argv)
+    return runs.run_main(build_parser(), sample, argv)
 
 
 if __name__ == "__main__":
-    train.exit_with(main())
+    runs.exit_with(main())

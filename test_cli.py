@@ -24,6 +24,7 @@ import benchmark
 import data
 import evaluate
 import sample
+import runs
 import train
 from test_evaluate import table_of_two_seeds  # noqa: F401  (an early job's fixture)
 from test_train import FAST, TINY_FAST
@@ -311,8 +312,8 @@ def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_fi
 def test_the_token_cache_follows_the_validation_split(tmp_path):
     """Issue 14.1: a cache built with one --valid-fraction is not reused for another."""
     def split(fraction, cache):
-        args = train.build_parser().parse_args(FAST + ["--valid-fraction", fraction, "--cache-dir", str(cache)])
-        tokens, valid, _, _, _ = train.prepare_data(train.config_from_args(args), args)
+        args = runs.train_parser().parse_args(FAST + ["--valid-fraction", fraction, "--cache-dir", str(cache)])
+        tokens, valid, _, _, _ = data.prepare(args, runs.config_from_args(args).vocab_size)
         return tokens, valid
 
     shared = tmp_path / "shared"
@@ -335,8 +336,8 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_noted(finished_run, tmp_path)
     notes = [line for line in out.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and f"has {n} pieces" in notes[0] and f"{2048 - n} rows" in notes[0], out
     assert f"--vocab-size {n} " in notes[0] and out.index("run ") < out.index("note:") < out.index("step ")
-    args = train.build_parser().parse_args(FAST + ["--cache-dir", str(tmp_path), "--vocab-size", str(n)])
-    smaller = data.load_tokenizer(train.prepare_data(train.config_from_args(args), args)[3])
+    args = runs.train_parser().parse_args(FAST + ["--cache-dir", str(tmp_path), "--vocab-size", str(n)])
+    smaller = data.load_tokenizer(data.prepare(args, runs.config_from_args(args).vocab_size)[3])
     assert [smaller.id_to_piece(i) for i in range(smaller.get_piece_size())] == [sp.id_to_piece(i) for i in range(n)]
 
 
@@ -454,14 +455,14 @@ def test_a_run_that_another_train_is_writing_is_refused(tmp_path, finished_run, 
     code, out, err = call("train", ["--out", str(run), "--resume", "--cache-dir", cache], capsys)
     assert code == 0 and "nothing to do" in out, err
     raced = tmp_path / "raced"
-    real = train.prepare_data
+    real = data.prepare
 
     def racing(*args):  # while our data loads, another train.py makes the directory and starts its run
         result = real(*args)
         raced.mkdir()
         (raced / "config.json").write_text("{}")
         return result
-    monkeypatch.setattr(train, "prepare_data", racing)
+    monkeypatch.setattr(data, "prepare", racing)
     code, _, err = call("train", FAST + ["--out", str(raced), "--cache-dir", cache], capsys)
     assert_refused(code, err, "raced")
     assert "another train.py started meanwhile" in err and os.listdir(raced) == ["config.json"]
@@ -479,35 +480,31 @@ def test_compare_with_a_memory_size_of_zero_and_a_memory_model(finished_run, tmp
             assert len(list(csv.reader(f))) == 101
 
 
-@pytest.mark.parametrize("script, argv", [("train", []), ("benchmark", []), ("sample", ["run"]),
-                                          ("peer_benchmark", [])] +
+@pytest.mark.parametrize("script, argv", [("train", []), ("benchmark", []), ("sample", ["run"])] +
                          [("evaluate", [c]) for c in evaluate.build_parser()._subparsers._group_actions[0].choices])
 def test_help_gives_every_default_and_never_none(capsys, script, argv):
     """--help shows a flag's default where it has one; where it has none (None), the flag's
     own help says what leaving it unset means, rather than "(default: None)"."""
-    if script == "peer_benchmark":
-        code, (out, _) = _peer_benchmark(["--help"]), capsys.readouterr()
-    else:
-        code, out, _ = call(script, argv[:1] + ["--help"], capsys)
+    code, out, _ = call(script, argv[:1] + ["--help"], capsys)
     assert code == 0 and "--" in out
     text = " ".join(out.split())
     assert "(default: None)" not in text
     if script == "train":  # a default other than None is still shown, and unset flags are explained
         assert "(default: 500)" in text and "--preset's value" in text
-    if script == "peer_benchmark":
-        assert "(default: 0,8192,65536)" in text and "--json" in text
+    if script == "benchmark":
+        assert "(default: 0,8192,65536)" in text and "--peer PYTHON" in text
 
 
 def test_a_negative_number_with_an_exponent_is_a_value_not_a_flag():
     """`--init-gate-bias -1e3` was refused as "expected one argument": Python 3.11's argparse
     took "-1e3" for a flag, as it knows only -3 and -.5 as negative numbers."""
     for value in ("-1e3", "-2.5E-1", "-3", "-.5", "-1e+30"):
-        assert train.build_parser().parse_args(["--init-gate-bias", value]).init_gate_bias == float(value)
+        assert runs.train_parser().parse_args(["--init-gate-bias", value]).init_gate_bias == float(value)
         assert evaluate.build_parser().parse_args(["table", "--init-gate-bias", value]).init_gate_bias == float(value)
         assert sample.build_parser().parse_args(["run", "--prompt", "x", "--temperature", value]).temperature == \
             float(value)
     with pytest.raises(SystemExit):  # a flag is still a flag where a value was due
-        train.build_parser().parse_args(["--init-gate-bias", "--lr", "1"])
+        runs.train_parser().parse_args(["--init-gate-bias", "--lr", "1"])
 
 
 @pytest.mark.parametrize("script, argv, message", [
@@ -542,14 +539,6 @@ def test_flags_that_passed_the_old_checks_are_refused_in_one_sentence(tmp_path, 
     assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
 
 
-def _peer_benchmark(argv):
-    import peer_benchmark
-    try:
-        return peer_benchmark.main(argv)
-    except SystemExit as stop:  # its parser exits where train.Parser's callers return
-        return stop.code
-
-
 @pytest.mark.parametrize("script, argv, flag", [
     ("train", ["--out", ""], "--out"), ("train", ["--init-from", ""], "--init-from"),
     ("train", ["--tokenizer", ""], "--tokenizer"), ("train", ["--cache-dir", ""], "--cache-dir"),
@@ -563,7 +552,7 @@ def _peer_benchmark(argv):
     ("evaluate", ["finetune", "--out-root", ""], "--out-root"), ("evaluate", ["table", "--cache-dir", ""], "--cache-dir"),
     ("sample", ["RUN", "--prompt-file", ""], "--prompt-file"), ("sample", ["", "--prompt", "x"], "run_dir"),
     ("benchmark", ["--json", ""], "--json"), ("benchmark", ["--profile", ""], "--profile"),
-    ("peer_benchmark", ["--json", ""], "--json"), ("peer_benchmark", ["--peer-python", ""], "--peer-python"),
+    ("benchmark", ["--peer", ""], "--peer"),
 ])
 def test_an_empty_path_is_refused_not_taken_as_unset_or_as_the_current_directory(tmp_path, finished_run, cache, capsys,
                                                                                  monkeypatch, script, argv, flag):
@@ -575,8 +564,7 @@ def test_an_empty_path_is_refused_not_taken_as_unset_or_as_the_current_directory
     if script == "train":
         argv = FAST + ["--cache-dir", cache] + (argv if "--out" in argv else ["--out", str(tmp_path / "r")] + argv)
     before = snapshot(finished_run)
-    main = _peer_benchmark if script == "peer_benchmark" else SCRIPTS[script]
-    code = main(argv)
+    code = SCRIPTS[script](argv)
     _, err = capsys.readouterr()
     assert_refused(code, err, argv)
     assert f"argument {flag}: needs a path, got an empty string" in err, err
@@ -585,9 +573,9 @@ def test_an_empty_path_is_refused_not_taken_as_unset_or_as_the_current_directory
 
 def test_an_empty_mt_cache_is_unset(monkeypatch):
     monkeypatch.setenv("MT_CACHE", "")  # the default --cache-dir stays .cache (an empty one is refused)
-    assert train.build_parser().parse_args([]).cache_dir == ".cache"
+    assert runs.train_parser().parse_args([]).cache_dir == ".cache"
     monkeypatch.setenv("MT_CACHE", "/some/cache")
-    assert train.build_parser().parse_args([]).cache_dir == "/some/cache"
+    assert runs.train_parser().parse_args([]).cache_dir == "/some/cache"
 
 
 def test_fewer_layers_than_the_presets_memory_layer_asks_for_memory_layers(tmp_path, cache, capsys):
@@ -687,14 +675,14 @@ def test_a_full_disk_is_named_in_one_line_and_leaves_the_old_file(tmp_path, fini
     def full(f, content):
         f.write(b"half of it")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(train, "_write_content", full)
-    assert train.run_command(lambda args: train.atomic_write(str(target), b"new"), None) == 2
+    monkeypatch.setattr(runs, "_write_content", full)
+    assert runs.run_command(lambda args: runs.atomic_write(str(target), b"new"), None) == 2
     assert capsys.readouterr().err == f"error: {os.strerror(errno.ENOSPC)}: {target}\n"
     assert os.listdir(tmp_path) == ["checkpoint.npz"] and target.read_bytes() == b"the previous checkpoint"
 
     def stdout_full(args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as print() to a full stdout does
-    assert train.run_command(stdout_full, None) == 2
+    assert runs.run_command(stdout_full, None) == 2
     assert capsys.readouterr().err == f"error: {os.strerror(errno.ENOSPC)}\n"
 
 
@@ -784,12 +772,12 @@ def test_a_checkpoint_is_created_like_any_other_file_and_an_unreadable_one_is_na
     """Issue 14.10: not mkstemp's 0600."""
     old = os.umask(0o022)
     try:
-        meta, arrays = train.load_checkpoint(str(finished_run / "checkpoint.npz"))
-        train.atomic_write(str(tmp_path / "c.npz"), (finished_run / "checkpoint.npz").read_bytes())
+        meta, arrays = runs.load_checkpoint(str(finished_run / "checkpoint.npz"))
+        runs.atomic_write(str(tmp_path / "c.npz"), (finished_run / "checkpoint.npz").read_bytes())
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "c.npz").st_mode) == 0o644
     assert stat.S_IMODE(os.stat(finished_run / "checkpoint.npz").st_mode) == 0o666 & ~old
     monkeypatch.setattr(np, "load", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied", p)))
-    with pytest.raises(train.UsageError, match="permission denied"):
-        train.load_checkpoint(str(tmp_path / "c.npz"))
+    with pytest.raises(runs.UsageError, match="permission denied"):
+        runs.load_checkpoint(str(tmp_path / "c.npz"))

@@ -18,8 +18,9 @@ import pytest
 import data
 import evaluate
 import memorizing_transformer as mt
+import runs
 import train
-from conftest import early, job_env
+from conftest import child_env
 from test_train import FAST, HERE  # the same small runs, so compiled steps are shared
 
 
@@ -96,7 +97,7 @@ def test_the_runs_own_corpus_however_spelled_is_read_with_the_runs_format_and_su
     assert texts("./corpus/") == texts("link") == texts(str(tmp_path / "corpus")) == own
     assert any("notes" in t for t in texts("copy"))
     monkeypatch.chdir(tmp_path / "copy")  # the run's relative path, from elsewhere: named
-    with pytest.raises(train.UsageError, match="'corpus' does not exist from .*started in"):
+    with pytest.raises(runs.UsageError, match="'corpus' does not exist from .*started in"):
         texts(None)
 
 
@@ -144,14 +145,14 @@ def test_a_checkpoint_without_gates_is_loaded_with_fresh_gates_and_every_other_w
     """A run trained without memory, evaluated with one: its checkpoint has no gate_bias, so
     only then are parameters initialized (the gates at init_gate_bias); every other weight is
     the checkpoint's. With the gates in the checkpoint, nothing is initialized."""
-    meta, arrays = train.load_checkpoint(f"{run_dir}/checkpoint.npz")
+    meta, arrays = runs.load_checkpoint(f"{run_dir}/checkpoint.npz")
     config, params, _, _ = evaluate.load_run(run_dir)
     gates = {k for k in arrays if "gate_bias" in k}
     assert gates and any(np.any(arrays[k] != config.init_gate_bias) for k in gates)  # trained away from init
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     kept = {k: v for k, v in arrays.items() if k not in gates}
-    train.atomic_write(str(run / "checkpoint.npz"), lambda f: np.savez(
+    runs.atomic_write(str(run / "checkpoint.npz"), lambda f: np.savez(
         f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **kept))
     for path, loaded in ((run_dir, params), (str(run), evaluate.load_run(str(run))[1])):
         for p, x in jax.tree_util.tree_flatten_with_path(loaded)[0]:
@@ -160,10 +161,10 @@ def test_a_checkpoint_without_gates_is_loaded_with_fresh_gates_and_every_other_w
             np.testing.assert_array_equal(np.asarray(x), expected, err_msg=key)
     # Only the gates: a checkpoint that lacks a layer's weights too is refused, not filled in.
     last = f"params['layers'][{config.num_layers - 1}]"
-    train.atomic_write(str(run / "checkpoint.npz"), lambda f: np.savez(
+    runs.atomic_write(str(run / "checkpoint.npz"), lambda f: np.savez(
         f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8),
         **{k: v for k, v in kept.items() if not k.startswith(last)}))
-    with pytest.raises(train.UsageError, match=re.escape(f"has no {last}[")):
+    with pytest.raises(runs.UsageError, match=re.escape(f"has no {last}[")):
         evaluate.load_run(str(run))
 
 
@@ -180,11 +181,12 @@ def table(tmp, *flags):
             "--num-neighbors", "8", "--out-root", str(tmp / "table"), "--rows", "XL cache,memory 4T + XL",
             "--cache-dir", str(tmp / "cache")] + list(flags)
     return subprocess.run([sys.executable, "evaluate.py"] + argv, cwd=HERE, capture_output=True, text=True,
-                          env=job_env()), tmp / "table"
+                          env=child_env()), tmp / "table"
 
 
-@early
-def table_of_two_seeds(tmp):
+@pytest.fixture(scope="session")
+def table_of_two_seeds(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("table_of_two_seeds")
     # Two of the five rows keep the suite fast (the other three differ only in their flags), and
     # one job serves both table tests and test_cli's: its seed-0 runs are a one-seed table's.
     # The table as the job wrote it is kept beside it (table.json is rewritten by the tests).
@@ -269,15 +271,16 @@ FINETUNE = ["finetune", "--preset", "tiny", "--data", "synthetic:40", "--steps",
             "--batch-size", "4", "--num-neighbors", "8", "--memory-size", "64"]
 
 
-@early
-def finetune_runs(tmp):
+@pytest.fixture(scope="session")
+def finetune_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("finetune_runs")
     """evaluate.py finetune, in subprocesses beside the suite: its three runs, then --fresh-start's
     one more. (The two processes, the first one's flags, its --out-root and its --cache-dir.)"""
     flags = FINETUNE + ["--out-root", str(tmp / "ft"), "--cache-dir", str(tmp / "cache")]
     procs = []
     for extra in ([], ["--fresh-start"]):
         procs.append(subprocess.run([sys.executable, "evaluate.py"] + flags + extra, cwd=HERE, capture_output=True,
-                                    text=True, env=job_env()))
+                                    text=True, env=child_env()))
         if procs[-1].returncode:
             break
     return procs, flags, tmp / "ft", tmp / "cache"
@@ -539,7 +542,7 @@ def test_reach_writes_far_loss_by_distance_and_memory_size(run_dir, tmp_path, ca
     assert [(r["distance"], r["memory_size"]) for r in rows] == [(100, 64), (100, 256), (200, 64), (200, 256)]
     printed = capsys.readouterr().out
     assert "far loss" in printed and "in 3 documents per distance" in printed
-    assert train.plural(1, "document") == "1 document" and train.plural(0, "step") == "0 steps"
+    assert runs.plural(1, "document") == "1 document" and runs.plural(0, "step") == "0 steps"
     config, params, sp, _ = evaluate.load_run(run_dir)
     for r in rows:
         assert {"far_loss", "far_loss_memory_off", "tokens", "in_reach", "mean_distance"} <= set(r)

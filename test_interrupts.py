@@ -14,8 +14,9 @@ import time
 
 import pytest
 
+import runs
 import train
-from conftest import early, job_env
+from conftest import child_env
 from test_train import FAST, HERE, ending
 
 
@@ -49,30 +50,31 @@ def wait_until_jax_loads(proc, timeout=120):
         time.sleep(0.01)
 
 
-@early
-def interrupted_train_runs(tmp):
+@pytest.fixture(scope="session")
+def interrupted_train_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("interrupted_train_runs")
     """Ctrl-C (SIGINT) to train.py 0.2 s and 2 s after it starts to load JAX, and 0.5 s after its
     last step; then the last run resumed: each interrupted process's ending, what the last one
     left (whether an eval.json, its checkpoint's step), the resumed process and the run's directory."""
     endings, cache = [], str(tmp / "cache")
     for delay in (0.2, 2.0):
         with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache],
-                                       job_env())) as proc:
+                                       child_env())) as proc:
             wait_until_jax_loads(proc)
             time.sleep(delay)
             proc.send_signal(signal.SIGINT)
             endings.append(ending(proc))
     with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", cache, "--steps", "2",
                                                        "--valid-fraction", "0.5", "--eval-docs", "20", "--eval-tokens",
-                                                       "2000"], job_env())) as proc:
+                                                       "2000"], child_env())) as proc:
         wait_for_line(proc, "step      2")
         time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
         proc.send_signal(signal.SIGINT)
         endings.append(ending(proc))
     run = tmp / "run"
-    left = {"eval.json": (run / "eval.json").exists(), "step": train.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"]}
+    left = {"eval.json": (run / "eval.json").exists(), "step": runs.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"]}
     resumed = subprocess.run([sys.executable, "train.py", "--out", str(run), "--resume", "--cache-dir", cache], cwd=HERE,
-                             capture_output=True, text=True, env=job_env())
+                             capture_output=True, text=True, env=child_env())
     return endings, left, resumed, run
 
 
@@ -89,8 +91,9 @@ def test_ctrl_c_while_starting_and_during_the_final_evaluation(interrupted_train
     assert json.loads((run / "eval.json").read_text())["step"] == 2
 
 
-@early
-def interrupted_while_jax_starts_a_plugin(tmp):
+@pytest.fixture(scope="session")
+def interrupted_while_jax_starts_a_plugin(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("interrupted_while_jax_starts_a_plugin")
     """train.py with a JAX plugin (a module of the namespace package jax_plugins, found on the
     PYTHONPATH) that is sent Ctrl-C while it starts, as the CUDA plugin was, loading its
     libraries: the process's exit code and stderr, and whether the run's directory exists."""
@@ -102,7 +105,7 @@ def interrupted_while_jax_starts_a_plugin(tmp):
                                         "    time.sleep(60)\n")
     path = os.pathsep.join(filter(None, [str(tmp / "plugins"), os.environ.get("PYTHONPATH")]))
     with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", str(tmp / "cache")],
-                                   job_env(PYTHONPATH=path))) as proc:
+                                   child_env(PYTHONPATH=path))) as proc:
         code, err = ending(proc)
     return code, err, (tmp / "run").exists()
 
@@ -193,15 +196,15 @@ def test_a_ctrl_c_that_python_drops_is_delivered_again_and_stops_the_command(cap
         busy(3)
         return 0
     t = time.time()
-    assert train.run_command(command, None) == 130
+    assert runs.run_command(command, None) == 130
     assert time.time() - t < 1.5
     assert capsys.readouterr().err == "interrupted; no file was left half-written.\n"
     # Delivered again to what SIGINT does by then: the training loop's flag, not an exception.
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with train.dropped_interrupts_raised_again(delay=0.3):
+        with runs.dropped_interrupts_raised_again(delay=0.3):
             drop_a_ctrl_c()
-            with train.interrupt_flag() as stop:
+            with runs.interrupt_flag() as stop:
                 busy(3, until=lambda: stop["signal"])
         assert stop["signal"] == signal.SIGINT
     finally:
@@ -233,18 +236,16 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
     assert not left, "a row process outlived benchmark.py"
 
 
-@early
-def peer_benchmark_stopped(tmp):
-    """SIGTERM to peer_benchmark.py once its benchmark.py child has started its row process:
-    (its exit code, its stderr, the pids of that child and grandchild, which of them still run
-    half a second later)."""
-    with stopped_at_the_end(launch("peer_benchmark.py", ["--memory-sizes", "0", "--steps", "1000", "--peer-python",
-                                                         sys.executable], job_env())) as proc:
+@pytest.fixture(scope="session")
+def peer_benchmark_stopped(tmp_path_factory):
+    """SIGTERM to `benchmark.py --peer` once it has started its row process: (its exit code, its
+    stderr, the row's pid, whether it still runs half a second later)."""
+    with stopped_at_the_end(launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000", "--peer",
+                                                    sys.executable], child_env())) as proc:
         # (this Python has no torch: the peer is skipped, and our rows run)
         found, deadline = [], time.time() + 120
-        while len(found) < 2 and time.time() < deadline and proc.poll() is None:
-            kids = [k for k in children(proc.pid) if "benchmark.py" in cmdline(k)]
-            found = kids[:1] + (children(kids[0])[:1] if kids else [])
+        while not found and time.time() < deadline and proc.poll() is None:
+            found = [k for k in children(proc.pid) if "--row" in cmdline(k)]
             time.sleep(0.05)
         time.sleep(1)
         proc.send_signal(signal.SIGTERM)
@@ -255,11 +256,11 @@ def peer_benchmark_stopped(tmp):
     return code, err, found, left
 
 
-def test_sigterm_stops_peer_benchmark_and_its_benchmark_and_row_processes(peer_benchmark_stopped):
+def test_sigterm_stops_the_side_by_side_with_the_peer_and_its_row_process(peer_benchmark_stopped):
     code, err, found, left = peer_benchmark_stopped
-    assert len(found) == 2, ("benchmark.py and its row process never both ran", err)
+    assert len(found) == 1, ("its row process never ran", err)
     assert_interrupted(code, err)
-    assert not left, "a process outlived peer_benchmark.py"
+    assert not left, "a row process outlived benchmark.py --peer"
 
 
 @pytest.mark.parametrize("size, code, expected", [(10 ** 6, 0, 141), (1, 0, 141), (1, 2, 2)],
@@ -270,7 +271,7 @@ def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size, code,
     nothing on stderr (it was once 'error: Broken pipe: None', exit 2); a command that failed
     keeps its own code. stdout is block-buffered here, as in a shell pipe, so a short line waits
     for the flush at exit."""
-    child = f"import train; train.exit_with(train.run_command(lambda args: print('x' * {size}) or {code}, None))"
+    child = f"import runs; runs.exit_with(runs.run_command(lambda args: print('x' * {size}) or {code}, None))"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen([sys.executable, "-c", child], cwd=HERE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -283,8 +284,8 @@ def test_a_path_that_is_not_utf8_is_printed_as_its_bytes_under_any_utf8_locale()
     """A directory named with the byte 0xff: under a UTF-8 locale other than C (stdout's errors
     'strict', here forced by PYTHONIOENCODING) printing it once failed midway through a run,
     after its first files were written."""
-    child = ("import argparse, train; p = argparse.ArgumentParser(); p.add_argument('out'); "
-             "train.exit_with(train.run_main(p, lambda args: print('run', args.out) or 0, None))")
+    child = ("import argparse, runs; p = argparse.ArgumentParser(); p.add_argument('out'); "
+             "runs.exit_with(runs.run_main(p, lambda args: print('run', args.out) or 0, None))")
     env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
     proc = subprocess.run([sys.executable, "-c", child, b"/tmp/r\xff"], cwd=HERE, env=env, capture_output=True,
                           timeout=120)
@@ -310,12 +311,12 @@ def test_out_of_device_memory_is_one_line_and_other_runtime_errors_are_not_hidde
         return command
     import jax
     for error in (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes"), MemoryError()):
-        assert train.run_command(raising(error), None) == 2
+        assert runs.run_command(raising(error), None) == 2
         assert capsys.readouterr().err == ("error: the device ran out of memory; lower --batch-size, "
                                            "--segment-length or --memory-size.\n")
     for error in (jax.errors.JaxRuntimeError("INTERNAL: a bug"), RuntimeError("a bug"), AssertionError("a bug")):
         with pytest.raises(type(error), match="a bug"):  # a bug of ours stays a traceback
-            train.run_command(raising(error), None)
+            runs.run_command(raising(error), None)
 
 
 def test_an_empty_compilation_cache_entry_left_by_an_interrupt_is_compiled_anew_without_a_warning(tmp_path):
@@ -323,10 +324,10 @@ def test_an_empty_compilation_cache_entry_left_by_an_interrupt_is_compiled_anew_
     before it wrote it) left an empty file. JAX never rewrites an entry that exists, so every
     later run warned that it could not read it (two lines on stderr) and compiled that program
     again; the suite once caught this in the interrupted runs above."""
-    child = ("import sys, jax, train; train.use_compilation_cache(sys.argv[1]); "
+    child = ("import sys, jax, runs; runs.use_compilation_cache(sys.argv[1]); "
              "print(float(jax.jit(lambda x: x * 3 + 1)(2.0)))")
     run = lambda: subprocess.run([sys.executable, "-c", child, str(tmp_path)], cwd=HERE, capture_output=True,
-                                 text=True, env=job_env(), timeout=120)
+                                 text=True, env=child_env(), timeout=120)
     first = run()
     assert (first.returncode, first.stdout, first.stderr) == (0, "7.0\n", "")
     entries = [p for p in (tmp_path / "jax").iterdir() if p.name.startswith("jit__lambda") and p.name.endswith("-cache")]
@@ -345,11 +346,11 @@ def test_a_signal_after_the_command_returned_does_not_change_how_it_ended(sig, c
     Python's defaults (killed without a word: a fuzz of interrupts at random moments saw it in
     two of thirty commands). The command's own ending stands; the teardown, where this child
     signals itself, is not run."""
-    child = ("import atexit, os, signal, train\n"
+    child = ("import atexit, os, signal, runs\n"
              "signal.signal(signal.SIGINT, lambda *_: (os.write(2, b'interrupted before anything was written.\\n'),"
              " os._exit(130)))\n"  # as each script does before it imports JAX
              "signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))\n"
              f"atexit.register(lambda: (os.kill(os.getpid(), {int(sig)}), __import__('time').sleep(1)))\n"
-             f"train.exit_with(train.run_command(lambda args: print('done') or {code}, None))\n")
+             f"runs.exit_with(runs.run_command(lambda args: print('done') or {code}, None))\n")
     proc = subprocess.run([sys.executable, "-c", child], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (code, "done\n", "")

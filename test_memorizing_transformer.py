@@ -1,7 +1,8 @@
 """Executable spec of memorizing_transformer.py: every property against an exact reference.
 
-References are independent of the model code: dense softmax attention in numpy float64,
-explicit loops, and a one-shot numpy model over the whole document.
+References are independent of the model code: dense softmax attention in numpy float64, explicit
+loops, and a one-shot numpy model over the whole document. The whole model is checked with its plain
+pieces and with kernels.FAST, which every script runs (test_kernels.py holds each drop-in to its piece).
 """
 import functools
 import math
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import kernels
 import memorizing_transformer as mt
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
@@ -21,7 +23,8 @@ SETTINGS = settings(deadline=None, max_examples=12, derandomize=True)
 SMALL = mt.Config(vocab_size=61, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48,
                   segment_length=8, memory_layers=(1,), memory_size=32, num_neighbors=8,
                   memory_chunk=16, batch_size=2)
-forward = jax.jit(mt.forward, static_argnames=("config", "return_retrievals"))
+forward = jax.jit(mt.forward, static_argnames=("config", "return_retrievals", "ops"))
+OPS = pytest.mark.parametrize("ops", [mt.PLAIN, kernels.FAST], ids=["plain", "fast"])
 
 
 # ----------------------------------------------------------------------------- numpy references
@@ -96,14 +99,14 @@ def reference_forward(params, tokens, config, gate=None):
     return np_rms_norm(x, p["final_norm"]) @ p["w_out"]
 
 
-def stream(params, tokens, config, state=None, reset_first=True):
+def stream(params, tokens, config, state=None, reset_first=True, ops=kernels.FAST):
     """Run the model segment by segment over tokens [B, N*T]; returns logits [B, N*T, V]."""
     B, T = tokens.shape[0], config.segment_length
     state = mt.init_state(config, B) if state is None else state
     out = []
     for n in range(tokens.shape[1] // T):
         reset = jnp.full((B,), reset_first and n == 0)
-        logits, state = forward(params, state, tokens[:, n * T:(n + 1) * T], reset, config)
+        logits, state = forward(params, state, tokens[:, n * T:(n + 1) * T], reset, config, ops=ops)
         out.append(logits)
     return jnp.concatenate(out, axis=1), state
 
@@ -144,199 +147,104 @@ def test_t5_buckets_are_monotone_and_saturate(nb, md):
     np.testing.assert_array_equal(b, [np_t5_bucket(int(d), nb, md) for d in n])
 
 
-# ----------------------------------------------------------------------------- T5 bias lookup
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_position_bias_and_its_gradient_equal_a_lookup_and_a_sum_per_bucket(one_hot):
-    """Both forms of the T5 bias lookup (a gather; a one-hot product, the GPU's default): the
-    values are the table's entries, the gradient of each entry the sum over its pairs."""
-    rng = np.random.default_rng(3)
-    table = rng.standard_normal((32, 4)).astype(np.float32)  # [num_buckets, H]
-    buckets = rng.integers(0, 32, (3, 16, 24))  # e.g. [n, Q, W]; bucket 31 may be absent
-    upstream = rng.standard_normal((4, 3, 16, 24)).astype(np.float32)  # [H, ...]
-    lookup = lambda t: mt.position_bias(t, buckets, one_hot)
-    got, grad = jax.jit(lambda t: (lookup(t), jax.grad(lambda t: jnp.sum(lookup(t) * upstream))(t)))(jnp.asarray(table))
-    np.testing.assert_array_equal(got, np.moveaxis(table[buckets], -1, 0))
-    want = np.zeros((32, 4))
-    for idx in np.ndindex(buckets.shape):
-        want[buckets[idx]] += upstream[(slice(None),) + idx]
-    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
-
-
 # ----------------------------------------------------------------------------- local attention
-@pytest.mark.parametrize("shapes", [((3, 5, 7), (3, 5, 2)), ((3, 5, 2), (3, 5, 7)), ((6, 4), (6, 4))])
-def test_transpose_product_equals_a_transposed_times_b(shapes):
-    """a^T b for a batch of [K, M] and [K, N]: either operand the smaller (the two ways it is
-    computed on a CPU) or both the same size."""
-    rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
-    got = jax.jit(mt.transpose_product)(a, b)
-    np.testing.assert_allclose(got, np.swapaxes(a, -1, -2).astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("name,constant", [("product_qk", 0), ("product_qk", 3), ("product_pv", 0), ("product_pv", 3),
-                                           ("dense", 0)])
-def test_products_with_their_own_gradient_equal_numpy_products_and_gradients(name, constant):
-    """The local attention's two products and the FFN's second matmul have hand-written
-    gradients (so that the transposed products are transpose_products): the values and both
-    gradients of sum(f(a, b) * r) against numpy's, with a, b of distinct sizes so that a
-    swapped or transposed operand cannot pass. The attention's products with their first
-    `constant` rows of b (keys, values) constant: 0 there, numpy's gradient elsewhere."""
-    rng = np.random.default_rng(1)
-    Q, W, D = 5, 7, 3
-    shapes, f, ref, grads = {
-        "product_qk": (((2, Q, D), (2, W, D)), lambda a, b: mt.product_qk(a, b, None, constant),
-                       lambda a, b: a @ np.swapaxes(b, -1, -2),
-                       lambda a, b, r: (r @ b, np.swapaxes(r, -1, -2) @ a)),
-        "product_pv": (((2, Q, W), (2, W, D)), lambda a, b: mt.product_pv(a, b, None, constant), lambda a, b: a @ b,
-                       lambda a, b, r: (r @ np.swapaxes(b, -1, -2), np.swapaxes(a, -1, -2) @ r)),
-        "dense": (((Q, W), (W, D)), mt.dense, lambda a, b: a @ b, lambda a, b, r: (r @ b.T, a.T @ r)),
-    }[name]
-    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    r = rng.standard_normal(ref(a, b).shape)
-    value, (da, db) = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b) * r), argnums=(0, 1)))(a, b)
-    np.testing.assert_allclose(value, np.sum(ref(a64, b64) * r), rtol=1e-5)
-    want_a, want_b = grads(a64, b64, r)
-    want_b[..., :constant, :] = 0
-    for got, want in zip((da, db), (want_a, want_b)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-def prefix_valid(rng, B, C, T):
-    """key_valid [B, C + T] as data.py makes it, the fused attention's condition: in each row a
-    random prefix of the cache and a random prefix of the segment are valid."""
-    cache, segment = rng.integers(0, C + 1, (B, 1)), rng.integers(0, T + 1, (B, 1))
-    return np.concatenate([np.arange(C) < cache, np.arange(T) < segment], axis=1)
-
-
-@SETTINGS
-@given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans(),
-       attention=st.sampled_from(["explicit", "fused"]))
-def test_local_attention_equals_explicit_loops(seed, xl, reset, attention):
-    rng = np.random.default_rng(seed)
-    cfg = SMALL.replace(xl_cache=xl, attention=attention)
-    B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
-    q, k, v = (rng.standard_normal((B, n, H, D)).astype(np.float32) for n in (T, C + T, C + T))
-    key_valid = prefix_valid(rng, B, C, T) if attention == "fused" else rng.random((B, C + T)) < 0.8
-    key_valid[0, C:] = True  # row 0 has no padding, row 1 has some (or, fused, likely has)
-    if reset:
-        key_valid[:, :C] = False
-    bias = rng.standard_normal((cfg.num_buckets, H)).astype(np.float32)
-    scale = rng.uniform(1, 5, H).astype(np.float32)
-    got = heads_first(jax.jit(mt.local_attention, static_argnums=6)(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg))
-    want = np.zeros((B, T, H, D))
+def local_attention_loops(q, k, v, key_valid, bias, scale, T):
+    """Sec. 3's local attention one query at a time, numpy float64: q [B, T, H, D], k, v
+    [B, C + T, H, D] (the cache first), key_valid [B, C + T]; query t sees key s iff both are
+    valid and 0 <= C + t - s <= T. A padding query gets 0."""
+    B, _, H, D = q.shape
+    C = k.shape[1] - T
+    out = np.zeros((B, T, H, D))
     for b in range(B):
         for h in range(H):
             for t in range(T):
                 keys = [s for s in range(C + T) if key_valid[b, s] and 0 <= C + t - s <= T]
                 if not key_valid[b, C + t]:
-                    continue  # a padding query: the output is 0
+                    continue
                 logits = [scale[h] * q[b, t, h] @ k[b, s, h] + bias[np_t5_bucket(C + t - s), h] for s in keys]
                 w = np.exp(np.array(logits) - max(logits))
-                want[b, t, h] = sum(wi * v[b, s, h] for wi, s in zip(w / w.sum(), keys))
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+                out[b, t, h] = sum(wi * v[b, s, h] for wi, s in zip(w / w.sum(), keys))
+    return out
 
 
-@pytest.mark.parametrize("attention,blocks", [("explicit", 1), ("explicit", 2), ("explicit", 4), ("fused", None)])
-def test_local_attention_gradients_equal_those_of_a_dense_gather_reference(attention, blocks, monkeypatch):
-    """The model's formulation (queries in blocks, the T5 bias broadcast over rows with a
-    gradient of its own, the mask as a bias, the softmax normalized after the value product,
-    the scale on the queries, the products' own gradients; or jax.nn.dot_product_attention):
-    its gradients (bias table, scale, q, k, v) must be those of the plain formulation. The
-    explicit one with 1, 2 and 4 blocks of queries, whichever a backend uses. The cache is a
-    constant: its keys and values get exactly 0 (the plain formulation's gradient there is
-    not)."""
-    if blocks:
-        monkeypatch.setattr(mt, "query_block", lambda T: T // blocks)
-    rng = np.random.default_rng(7)
-    cfg = SMALL.replace(attention=attention)
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans())
+def test_local_attention_equals_explicit_loops(seed, xl, reset):
+    rng = np.random.default_rng(seed)
+    cfg = SMALL.replace(xl_cache=xl)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
-    q, k, v = (jnp.asarray(rng.standard_normal((B, n, H, D)), jnp.float32) for n in (T, C + T, C + T))
-    key_valid = prefix_valid(rng, B, C, T) if attention == "fused" else rng.random((B, C + T)) < 0.8
-    key_valid = jnp.asarray(key_valid).at[:, C:].set(True)
-    bias = jnp.asarray(rng.standard_normal((cfg.num_buckets, H)), jnp.float32)
-    scale = jnp.asarray(rng.uniform(1, 5, H), jnp.float32)
-    r = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    q, k, v = (rng.standard_normal((B, n, H, D)).astype(np.float32) for n in (T, C + T, C + T))
+    key_valid = rng.random((B, C + T)) < 0.8
+    key_valid[0, C:] = True  # row 0 has no padding, row 1 has some
+    if reset:
+        key_valid[:, :C] = False
+    bias = rng.standard_normal((cfg.num_buckets, H)).astype(np.float32)
+    scale = rng.uniform(1, 5, H).astype(np.float32)
+    got = heads_first(jax.jit(mt.local_attention, static_argnums=6)(*map(heads_first, (q, k, v)), key_valid, bias,
+                                                                    scale, cfg))
+    np.testing.assert_allclose(got, local_attention_loops(q, k, v, key_valid, bias, scale, T), atol=1e-5, rtol=1e-5)
 
-    def reference(q, k, v, bias, scale):
-        dist = (np.arange(T)[:, None] + C) - np.arange(C + T)[None, :]
-        buckets = np.vectorize(lambda n: np_t5_bucket(max(n, 0)))(dist)
-        visible = (dist >= 0) & (dist <= T)
-        logits = jnp.einsum("bthd,bshd->bhts", q, k) * scale[None, :, None, None] + jnp.transpose(bias[buckets], (2, 0, 1))[None]
-        logits = jnp.where(visible[None, None] & key_valid[:, None, None, :], logits, -jnp.inf)
-        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
 
-    model = lambda q, k, v, bias, scale: heads_first(mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg))
-    # The gradients of sum(f(q, k, v, bias, scale) * r), the last argument being r.
+def dense_local_attention(q, k, v, key_valid, bias, scale, T):
+    """Sec. 3's local attention as one masked softmax over [B, H, T, C + T], for any dtype (the
+    gradients' reference): q [B, T, H, D], k, v [B, C + T, H, D]."""
+    C = k.shape[1] - T
+    dist = (np.arange(T)[:, None] + C) - np.arange(C + T)[None, :]
+    buckets = np.vectorize(lambda n: np_t5_bucket(max(n, 0)))(dist)
+    visible = (dist >= 0) & (dist <= T)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) * scale[None, :, None, None] + jnp.transpose(bias[buckets], (2, 0, 1))[None]
+    logits = jnp.where(visible[None, None] & key_valid[:, None, None, :], logits, -jnp.inf)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def local_attention_gradients(f, key_valid, cfg, seed=7):
+    """The gradients of sum(f(q, k, v, bias, scale) * r) in q, k, v [B, T or C + T, H, D], the bias
+    table and the scale, for f in the references' layout; those of dense_local_attention in float64
+    (exact for a float32 model); and, per gradient, how far dense_local_attention's own float32
+    gradient is from its float64 one (the rounding a float32 formulation cannot avoid). No padding
+    query: key_valid's segment is all valid."""
+    rng = np.random.default_rng(seed)
+    B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
+    args = [rng.standard_normal((B, n, H, D)) for n in (T, C + T, C + T)]
+    args += [rng.standard_normal((cfg.num_buckets, H)), rng.uniform(1, 5, H), rng.standard_normal((B, T, H, D))]
     grad = lambda f, args: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a[:-1]) * a[-1]), argnums=(0, 1, 2, 3, 4)))(*args)
-    got = grad(model, (q, k, v, bias, scale, r))
-    with jax.enable_x64(True):  # the reference in float64: exact for a float32 model
-        want = [np.asarray(g) for g in grad(reference, [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias, scale, r)])]
-    for g, w, name in zip(got, want, ("q", "k", "v", "rel_bias", "scale")):
-        if name in ("k", "v"):
-            assert np.all(np.asarray(g)[:, :C] == 0) and np.abs(w[:, :C]).max() > 0.1, name
-            g, w = g[:, C:], w[:, C:]
-        # float32 rounding: sums of hundreds of products, up to 2.3e-6 of the gradient's
-        # largest entry (measured: a CPU and an H200); one key too few in the fused window: 0.4.
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-6 * np.abs(w).max(), err_msg=name)
+    reference = lambda q, k, v, bias, scale: dense_local_attention(q, k, v, key_valid, bias, scale, T)
+    got, ref32 = (grad(f, [jnp.asarray(x, jnp.float32) for x in args]) for f in (f, reference))
+    with jax.enable_x64(True):
+        want = [np.asarray(g) for g in grad(reference, [jnp.asarray(x, jnp.float64) for x in args])]
+    return got, want, [np.abs(np.asarray(r, np.float64) - w).max() for r, w in zip(ref32, want)]
 
 
-def test_the_fused_attention_refuses_padding_before_a_valid_position(params):
-    """Its key lengths are exact only for prefix masks: forward(), called outside jit as a user
-    would, says so instead of guessing (under jit, the callers' masks come from data.py)."""
-    cfg = SMALL.replace(attention="fused")
-    tokens, T = random_tokens(0, cfg, 2, 1), cfg.segment_length
-
-    def forward(config, mask):  # traced, not run (no op-by-op compiling): the tokens and mask stay concrete values
-        jax.eval_shape(lambda p, s: mt.forward(p, s, tokens, jnp.ones(2, bool), config, mask=mask),
-                       params, mt.init_state(config, 2))
-
-    prefix = np.arange(T)[None] < np.array([[T], [3]])
-    forward(cfg, prefix)
-    holed = prefix.copy()
-    holed[0, 2] = False
-    with pytest.raises(ValueError, match="padding only at the end of a segment"):
-        forward(cfg, holed)
-    forward(SMALL, holed)  # any mask
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
-def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_explicit_one_in_float32():
-    """On a GPU, --attention fused with bfloat16 runs cuDNN's kernel (bf16 inputs and bias):
-    its output and gradients must stay within bf16 rounding of the explicit float32 math."""
-    rng = np.random.default_rng(3)
-    cfg = SMALL.replace(segment_length=64, head_dim=64, num_heads=2, d_model=128, memory_size=0)
-    B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
-    q, k, v = (mt.l2_normalize(jnp.asarray(rng.standard_normal((B, H, n, D)), jnp.float32)) for n in (T, C + T, C + T))
-    # The fused call's condition: the valid keys are a prefix of the cache and of the segment.
-    # Row 0: a part of its cache; row 1: no cache (a reset) and padding at its end.
-    key_valid = jnp.asarray(np.concatenate([np.arange(C) < [[C - 5], [0]], np.arange(T) < [[T], [T - 7]]], 1))
-    bias = jnp.asarray(rng.standard_normal((cfg.num_buckets, H)), jnp.float32)
-    scale = jnp.asarray(rng.uniform(1, 5, H), jnp.float32)
-    r = jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.float32)
-    assert mt.fused_implementation(jnp.bfloat16, T, C + T, D) == "cudnn"
-    assert mt.fused_implementation(jnp.bfloat16, T + 1, C + T + 1, D) == mt.fused_implementation(jnp.float32, T, C + T, D) == "xla"
-
-    def run(c, dt):
-        f = lambda q, k, v, bias: jnp.sum(mt.local_attention(q.astype(dt), k.astype(dt), v.astype(dt), key_valid,
-                                                               bias, scale, c).astype(jnp.float32) * r)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(q, k, v, bias)
-
-    (want, want_grads), (got, got_grads) = run(cfg, jnp.float32), run(cfg.replace(attention="fused"), jnp.bfloat16)
-    np.testing.assert_allclose(got, want, rtol=0.02, atol=0.02 * float(jnp.sum(jnp.abs(r))) / r.size ** 0.5)
-    for g, w, name in zip(got_grads, want_grads, ("q", "k", "v", "rel_bias")):
-        err = float(jnp.linalg.norm(g.astype(jnp.float32) - w)) / float(jnp.linalg.norm(w))
-        assert err < 0.03, (name, err)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
+def test_local_attention_gradients_equal_those_of_a_dense_softmax():
+    """The gradients of every input (queries, keys and values of the cache and the segment, the T5
+    bias table, the scale) are those of one dense masked softmax in float64, within float32
+    rounding: the larger of 5e-6 of the gradient's largest entry and 4x the dense softmax's own
+    float32 error (the scale's gradient is a sum that cancels)."""
+    cfg = SMALL
+    C, T = cfg.cache_length, cfg.segment_length
+    key_valid = jnp.asarray(np.random.default_rng(8).random((2, C + T)) < 0.8).at[:, C:].set(True)
+    model = lambda q, k, v, bias, scale: heads_first(mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias,
+                                                                        scale, cfg))
+    got, want, rounding = local_attention_gradients(model, key_valid, cfg)
+    for g, w, r, name in zip(got, want, rounding, ("q", "k", "v", "rel_bias", "scale")):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=max(5e-6 * np.abs(w).max(), 4 * r), err_msg=name)
 
 
 # ----------------------------------------------------------------------------- kNN attention
+def knn_pieces(name):
+    """The pieces knn_attention retrieves and attends with: the plain ones, or the kernels'."""
+    return {"plain": (mt.memory_search, mt.attend_to_retrieved),
+            "kernels": (kernels.memory_search, kernels.attend_to_retrieved),
+            "in terms": (kernels.memory_search, kernels.attend_in_terms)}[name]
+
+
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]), products=st.booleans(),
-       layout=st.sampled_from(["bhtd", "bthd"]))
-def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill, products, layout):
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]),
+       pieces=st.sampled_from(["plain", "kernels", "in terms"]))
+def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill, pieces):
     """Exact top-k with k = number of valid entries retrieves them all: dense softmax over them.
-    Either form of the attention over the retrieved pairs (einsums; products and sums), with
-    the queries in either layout ([B, H, T, D]; [B, T, H, D], the fused attention's)."""
+    With the plain pieces, and with the kernels' (the attention over the retrieved pairs in either
+    form: einsums, or K terms as on a GPU)."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(exact_topk=True, num_neighbors=max(fill, 1))
     B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
@@ -347,22 +255,18 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
     for b in range(B):
         valid[b, rng.choice(M, fill, replace=False)] = True
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    heads = heads_first if layout == "bhtd" else (lambda x: x)  # [B, T, H, ...] -> the layout
-    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6, 7))(heads(q), mk, mv, valid, scale, cfg,
-                                                                          products, layout)
-    out = heads(out)
+    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6, 7))(heads_first(q), mk, mv, valid, scale, cfg,
+                                                                          *knn_pieces(pieces))
     w = np_softmax_masked(np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :])
-    np.testing.assert_allclose(out, np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
+    np.testing.assert_allclose(heads_first(out), np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
     assert np.all(np.asarray(has) == (fill > 0))
     assert np.all(np.isfinite(out))
 
 
-@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
-@pytest.mark.parametrize("products", [False, True])
-def test_knn_attention_gradients_equal_those_of_dense_attention(products, layout):
-    """With every valid slot retrieved, the gradients (queries, scale) of either form, in
-    either layout, are those of a dense softmax over the valid slots; none reach the memory
-    (it is constant)."""
+@pytest.mark.parametrize("pieces", ["plain", "kernels", "in terms"])
+def test_knn_attention_gradients_equal_those_of_dense_attention(pieces):
+    """With every valid slot retrieved, the gradients (queries, scale) are those of a dense softmax
+    over the valid slots; none reach the memory (it is constant)."""
     rng = np.random.default_rng(11)
     cfg = SMALL.replace(exact_topk=True, num_neighbors=8)
     B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
@@ -379,19 +283,19 @@ def test_knn_attention_gradients_equal_those_of_dense_attention(products, layout
         w = jax.nn.softmax(jnp.where(valid[:, None, None, :], logits, -jnp.inf), axis=-1)
         return jnp.einsum("bhtm,bhmd->bhtd", w, mv)
 
-    swap = (lambda x: jnp.swapaxes(x, 1, 2)) if layout == "bthd" else (lambda x: x)
-    model = lambda q, scale: swap(mt.knn_attention(swap(q), mk, mv, valid, scale, cfg, products, layout)[0])
+    model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, *knn_pieces(pieces))[0]
     grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1)))(q, scale) for f in (model, dense)]
     for got, want, name in zip(*grads, ("q", "scale")):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients():
+@pytest.mark.parametrize("pieces", ["plain", "kernels", "in terms"])
+def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients(pieces):
     cfg = SMALL
     B, T, H, D, M = 1, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
     q = jnp.ones((B, H, T, D)) / math.sqrt(D)
     zeros = jnp.zeros((B, H, M, D))
-    f = lambda q: mt.knn_attention(q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg)[0].sum()
+    f = lambda q: mt.knn_attention(q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg, *knn_pieces(pieces))[0].sum()
     value, g = jax.jit(jax.value_and_grad(f))(q)
     assert np.isfinite(value) and np.all(np.isfinite(g))
 
@@ -411,19 +315,21 @@ def randomize(params, seed):
     return dict(params, layers=layers)
 
 
-@pytest.mark.parametrize("attention", ["explicit", "fused"])
+@pytest.mark.parametrize("ops, attention", [(mt.PLAIN, "explicit"), (kernels.FAST, "explicit"), (kernels.FAST, "fused")],
+                         ids=["plain", "fast", "fast-fused"])
 @pytest.mark.parametrize("xl", [True, False])
-def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl, attention):
+def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl, ops, attention):
     cfg = SMALL.replace(memory_size=0, xl_cache=xl, attention=attention)
     params = randomize(mt.init_params(cfg, jax.random.PRNGKey(1)), 1)
     tokens = random_tokens(0, cfg, 2, 4)
-    got, _ = stream(params, tokens, cfg)
+    got, _ = stream(params, tokens, cfg, ops=ops)
     np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
 
 
+@OPS
 @pytest.mark.parametrize("gate", [None, "memory", "local"])
 @pytest.mark.parametrize("xl", [True, False])
-def test_memory_streaming_equals_dense_attention_to_earlier_segments(params, gate, xl):
+def test_memory_streaming_equals_dense_attention_to_earlier_segments(params, gate, xl, ops):
     """The memory holds the whole document and k = M: the memory layer is dense block-causal."""
     cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, xl_cache=xl)
     params = randomize(params, 2)
@@ -432,7 +338,7 @@ def test_memory_streaming_equals_dense_attention_to_earlier_segments(params, gat
                   if "gate_bias" in p else p for p in params["layers"]]
         params = dict(params, layers=layers)
     tokens = random_tokens(1, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
-    got, _ = stream(params, tokens, cfg)
+    got, _ = stream(params, tokens, cfg, ops=ops)
     want = reference_forward(params, np.asarray(tokens), cfg, gate=gate)
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
@@ -445,25 +351,27 @@ def test_memory_streaming_with_fused_local_attention_equals_dense_attention(para
     np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
 
 
-def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments():
+@OPS
+def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments(ops):
     cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, memory_layers=(0, 1))
     params = randomize(mt.init_params(cfg, jax.random.PRNGKey(5)), 5)
     tokens = random_tokens(2, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
-    got, state = stream(params, tokens, cfg)
+    got, state = stream(params, tokens, cfg, ops=ops)
     assert state.mem_k.shape[1] == 2
     np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
 
 
+@OPS
 @SETTINGS
 @given(pos=st.integers(0, 4 * SMALL.segment_length - 1), seed=st.integers(0, 100))
-def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed):
+def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed, ops):
     # Bit-identical on purpose: a masked key weighs exactly 0 and adds exactly 0, so the same
     # program gives the same bits for the earlier positions on any deterministic backend.
     tokens = np.asarray(random_tokens(seed, SMALL, 2, 4))
     changed = tokens.copy()
     changed[:, pos] = (changed[:, pos] + 1) % SMALL.vocab_size
-    a, _ = stream(params, jnp.asarray(tokens), SMALL)
-    b, _ = stream(params, jnp.asarray(changed), SMALL)
+    a, _ = stream(params, jnp.asarray(tokens), SMALL, ops=ops)
+    b, _ = stream(params, jnp.asarray(changed), SMALL, ops=ops)
     np.testing.assert_array_equal(a[:, :pos], b[:, :pos])
     assert not np.allclose(a[:, pos:], b[:, pos:])
 
@@ -556,39 +464,41 @@ def test_padding_is_never_stored_as_a_valid_entry(params):
     assert np.asarray(state.cache_valid).sum(1).tolist() == [5, cfg.segment_length]
 
 
-def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(params):
+@OPS
+def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(params, ops):
     # A batch of 2 against a batch of 1 are different programs (other matmul shapes, other
     # summation orders on a GPU): their agreement is a property of the math, so it is checked
     # to float32 precision, not bit for bit.
     cfg = SMALL
     history = random_tokens(3, cfg, 2, 5)  # fills the memory past wrap-around
     doc = random_tokens(4, cfg, 2, 3)
-    _, state = stream(params, history, cfg)
+    _, state = stream(params, history, cfg, ops=ops)
     # Row 0 starts a new document; row 1 continues its old one.
     logits, out = [], state
     for n in range(3):
         seg = doc[:, n * cfg.segment_length:(n + 1) * cfg.segment_length]
-        lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg)
+        lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg, ops=ops)
         logits.append(lg)
     logits = jnp.concatenate(logits, axis=1)
-    fresh, _ = stream(params, doc[:1], cfg)
+    fresh, _ = stream(params, doc[:1], cfg, ops=ops)
     np.testing.assert_allclose(logits[0], fresh[0], atol=1e-5, rtol=1e-5)
     # Row 1 alone, with the same history, gives the same numbers as in the batch.
-    alone, _ = stream(params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg)
+    alone, _ = stream(params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg, ops=ops)
     np.testing.assert_allclose(logits[1], alone[0, history.shape[1]:], atol=1e-5, rtol=1e-5)
 
 
-def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_local_path(params):
+@OPS
+def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_local_path(params, ops):
     cfg = SMALL
     params = randomize(params, 3)
     tokens = random_tokens(5, cfg, 2, 3)
-    _, state = stream(params, tokens[:, :2 * cfg.segment_length], cfg)
+    _, state = stream(params, tokens[:, :2 * cfg.segment_length], cfg, ops=ops)
     seg = tokens[:, 2 * cfg.segment_length:]
 
     names = ("cache_k", "cache_v", "mem_k", "mem_v", "pending_k", "pending_v")
 
     def f(params, arrays):
-        logits, _ = mt.forward(params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg)
+        logits, _ = mt.forward(params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg, ops=ops)
         return mt.loss(logits, seg, jnp.ones(seg.shape, bool))
 
     gp, gs = jax.jit(jax.grad(f, argnums=(0, 1)))(params, {n: getattr(state, n) for n in names})
@@ -599,11 +509,12 @@ def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_loc
         assert np.any(np.asarray(mem_layer[name]) != 0), name
 
 
-def test_memory_off_ablation_equals_local_only_reference(params):
+@OPS
+def test_memory_off_ablation_equals_local_only_reference(params, ops):
     cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size)
     params = randomize(params, 4)
     tokens = random_tokens(6, cfg, 2, 3)
-    got, _ = stream(mt.memory_off(params), tokens, cfg)
+    got, _ = stream(mt.memory_off(params), tokens, cfg, ops=ops)
     np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg, gate="local"),
                                atol=2e-4, rtol=2e-4)
 
@@ -665,31 +576,33 @@ def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 0.1 * np.std(np.asarray(want)) + 0.05
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames="ops")
 @functools.partial(jax.value_and_grad, has_aux=True)
-def loss_and_grad(params, state, tokens, reset, mask):
-    logits, _ = mt.forward(params, state, tokens, reset, SMALL, mask=mask)
+def loss_and_grad(params, state, tokens, reset, mask, ops):
+    logits, _ = mt.forward(params, state, tokens, reset, SMALL, mask=mask, ops=ops)
     return mt.loss(logits, tokens, mask), logits
 
 
+@OPS
 @SETTINGS
 @given(history=st.integers(0, 3), reset=st.lists(st.booleans(), min_size=2, max_size=2),
        valid=st.lists(st.integers(0, SMALL.segment_length), min_size=2, max_size=2))
-def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, reset, valid):
+def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, reset, valid, ops):
     """A document's first token with an empty memory and cache, all-padding segments, any fill."""
     cfg = SMALL
     state = mt.init_state(cfg, 2)
     if history:
-        _, state = stream(params, random_tokens(history, cfg, 2, history), cfg)
+        _, state = stream(params, random_tokens(history, cfg, 2, history), cfg, ops=ops)
     mask = jnp.arange(cfg.segment_length)[None, :] < jnp.asarray(valid)[:, None]  # [B, T]
     seg = random_tokens(11, cfg, 2, 1)
 
-    (value, logits), grads = loss_and_grad(params, state, seg, jnp.asarray(reset), mask)
+    (value, logits), grads = loss_and_grad(params, state, seg, jnp.asarray(reset), mask, ops=ops)
     assert np.isfinite(value) and np.all(np.isfinite(logits))
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
-def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retrievals(params):
+@OPS
+def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retrievals(params, ops):
     """Ethics section: the memory is cleared at each document. A then B in one row, or B alone."""
     cfg = SMALL
     T = cfg.segment_length
@@ -699,11 +612,11 @@ def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retri
         out = []
         for n in range(3):
             logits, state, (r,) = forward(params, state, doc[:, n * T:(n + 1) * T], jnp.full((2,), n == 0), cfg,
-                                          return_retrievals=True)
+                                          return_retrievals=True, ops=ops)
             out.append((np.asarray(logits), np.asarray(r["slots"]), np.asarray(r["weights"])))
         return out
 
-    _, after_secret = stream(params, secret, cfg)
+    _, after_secret = stream(params, secret, cfg, ops=ops)
     with_a, without_a = run_b(after_secret), run_b(mt.init_state(cfg, 2))
     for n, ((la, sa, wa), (lb, sb, wb)) in enumerate(zip(with_a, without_a)):
         np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)

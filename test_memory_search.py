@@ -1,6 +1,7 @@
-"""Executable spec of memorizing_transformer.py's memory search (Sec. 3.3): the exact search in
-pieces, the binned approximate top-k, its final top-k in passes and its packed keys, each
-against numpy (a sort, explicit loops over the slots) or against the exact search's recall.
+"""Sec. 3.3, the memory search: the plain mt.memory_search (exact, and binned: each bin's best slot,
+then the top-k of the bins' winners) and kernels.memory_search (in pieces, each bin's best score
+packed with its row in one int32, the top-k in passes on a CPU), each against numpy: a sort,
+explicit loops over the slots; and the binned search's recall against the exact one.
 """
 import math
 
@@ -10,19 +11,25 @@ import numpy as np
 import pytest
 from hypothesis import example, given, strategies as st
 
+import kernels
 import memorizing_transformer as mt
 from test_memorizing_transformer import SETTINGS, SMALL, heads_first, np_unit
 
-BELOW_2_127 = float(np.nextafter(np.float32(2.0 ** 127), np.float32(0)))  # _key_floats' largest magnitude
-
 jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
+SEARCHES = {"plain": mt.memory_search, "kernel": kernels.memory_search}
+
+
+def search(name, q, mk, valid, cfg):
+    """SEARCHES[name] of q [B, T, H, D] (the references' layout), jitted: numpy scores and slots."""
+    f = jax.jit(SEARCHES[name], static_argnums=4)
+    return tuple(map(np.asarray, f(heads_first(q), mk, valid, jnp.ones(q.shape[2]), cfg)))
 
 
 # ----------------------------------------------------------------------------- exact search
-
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]))
-def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), name=st.sampled_from(sorted(SEARCHES)))
+def test_exact_memory_search_equals_numpy_top_k(seed, fill, name):
+    """The kernel's in pieces of 16 slots: each piece's top-k are candidates for the top-k of all."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(exact_topk=True, memory_size=64, memory_chunk=16)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
@@ -30,60 +37,76 @@ def test_chunked_exact_memory_search_equals_numpy_top_k(seed, fill):
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=4)(heads_first(q), mk, valid, jnp.ones(H), cfg)
+    scores, slots = search(name, q, mk, valid, cfg)
     s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
     want = np.sort(s, axis=-1)[..., ::-1][..., :K]
-    got = np.where(np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), np.asarray(slots), -1),
-                   np.asarray(scores), -np.inf)
+    got = np.where(np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), slots, -1), scores, -np.inf)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The slots are the ones holding those scores.
-    np.testing.assert_allclose(np.take_along_axis(s, np.asarray(slots), -1)[..., :min(K, fill)],
-                               want[..., :min(K, fill)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.take_along_axis(s, slots, -1)[..., :min(K, fill)], want[..., :min(K, fill)],
+                               rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- approximate top-k
-def integer_search(rng, cfg, fill, wide, batch_block, slots_first):
-    """The binned search of two batch rows with `fill` valid slots (the same in both), on
-    small integer queries and keys: integer scores, many of them equal, which no key rounds.
-    Returns its scores and slots [B, H, T, K], and numpy's scores [B, H, T, M] (-inf where
-    invalid)."""
+def integer_search(rng, cfg, fill, name):
+    """The binned search of two batch rows with `fill` valid slots (the same in both), on small
+    integer queries and keys: integer scores, many of them equal, which no key rounds. Returns its
+    scores and slots [B, H, T, K], and numpy's scores [B, H, T, M] (-inf where invalid)."""
     B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
     q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)
     mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6, 7))(heads_first(q), mk, valid, jnp.ones(H), cfg,
-                                                                           wide, batch_block, slots_first)
-    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)  # [B, H, T, M]
-    return np.asarray(scores), np.asarray(slots), s
+    scores, slots = search(name, q, mk, valid, cfg)
+    return scores, slots, np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), wide=st.booleans(),
-       batch_block=st.sampled_from([1, 2]), slots_first=st.booleans())
-def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, wide, batch_block, slots_first):
-    """M = 64 <= num_topk_bins: every slot is a bin of its own. Small integer queries and
-    keys make integer scores, many of them equal, which no key rounds: the exact top-k, the
-    lower slot first among equal scores (as a stable sort). The two batch rows are searched
-    together or one after the other (batch_block), the scores laid out either way (slots_first)."""
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), name=st.sampled_from(sorted(SEARCHES)))
+def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, name):
+    """M = 64 <= num_topk_bins: every slot is a bin of its own. Integer scores, many of them equal:
+    the exact top-k, the lower slot first among equal scores (as a stable sort)."""
     cfg = SMALL.replace(memory_size=64, memory_chunk=16)
     M, K = cfg.memory_size, cfg.num_neighbors
     assert mt.num_topk_bins(K, M, cfg.topk_recall_target) == M
-    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block, slots_first)
+    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, name)
     n = min(K, fill)
-    np.testing.assert_array_equal(np.asarray(slots)[..., :n], np.argsort(-s, axis=-1, kind="stable")[..., :n])
-    np.testing.assert_array_equal(np.asarray(scores)[..., :n], np.sort(s, axis=-1)[..., ::-1][..., :n])
+    np.testing.assert_array_equal(slots[..., :n], np.argsort(-s, axis=-1, kind="stable")[..., :n])
+    np.testing.assert_array_equal(scores[..., :n], np.sort(s, axis=-1)[..., ::-1][..., :n])
 
 
-@pytest.mark.parametrize("wide, slots_first", [(True, True), (True, False), (False, True), (False, False)])
-def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bits(wide, slots_first):
-    """The top-k ranks keys whose low log2(L) bits hold the bin (6 bits for L = 64), so
-    float32 scores are ranked to their leading 17 mantissa bits. Every query sees the same
-    scores (q = e_0, scores = the keys' first entries): random ones, some slots with a twin
-    1.5 * 2^-17 or 2^-22 of its score above it. The keys' rounding ties two scores only
-    within 2^-17 of their value: any two slots, kept and ranked after it or left out, are in
-    order up to 2^-16 of their scores, and the 1.5 * 2^-17 twins always (one bit fewer would
-    tie some of them)."""
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]), chunk=st.sampled_from([4, 32, 512]),
+       name=st.sampled_from(sorted(SEARCHES)))
+@example(seed=2, fill=1024, chunk=512, name="kernel")  # pieces of 4 whole rows
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, name):
+    """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots, the
+    lower bin first among equal maxima, and of a bin's equal best slots the lowest (integer scores,
+    many of them equal, which no key rounds). The memory is 8 rows of L = 128 slots; the kernel
+    scores it in pieces of 4 or 32 slots of one row, or of 4 whole rows."""
+    cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
+    B, T, H, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.memory_size, cfg.num_neighbors
+    L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
+    assert L == 128  # bins of 8 slots
+    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, name)
+    valid = np.isfinite(s[:, 0, 0])  # [B, M]
+    best, best_slot = np.full((B, H, T, L), -np.inf), np.zeros((B, H, T, L), int)
+    for slot in range(M):  # the bins' maxima, one slot at a time: the first slot of a bin's best score
+        better = s[..., slot] > best[..., slot % L]
+        best[..., slot % L] = np.where(better, s[..., slot], best[..., slot % L])
+        best_slot[..., slot % L] = np.where(better, slot, best_slot[..., slot % L])
+    found = min([K] + [len(set(np.flatnonzero(v) % L)) for v in valid])  # bins holding a valid slot
+    want = np.argsort(-best, axis=-1, kind="stable")[..., :found]  # the best bins, the lower one first among equals
+    np.testing.assert_array_equal(slots[..., :found], np.take_along_axis(best_slot, want, -1))
+    np.testing.assert_array_equal(scores[..., :found], np.take_along_axis(best, want, -1))
+
+
+def test_the_kernels_binned_search_ranks_float32_scores_to_their_leading_mantissa_bits():
+    """The kernel's top-k ranks keys whose low log2(L) bits hold the bin (6 bits for L = 64), so
+    float32 scores are ranked to their leading 17 mantissa bits. Every query sees the same scores
+    (q = e_0, scores = the keys' first entries): random ones, some slots with a twin 1.5 * 2^-17 or
+    2^-22 of its score above it. Any two slots, kept and ranked after it or left out, are in order
+    up to 2^-16 of their scores, and the 1.5 * 2^-17 twins always (one bit fewer would tie some)."""
     rng = np.random.default_rng(0)
     cfg = SMALL.replace(memory_size=64, memory_chunk=16)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
@@ -95,11 +118,9 @@ def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bit
     mk[..., 0] = first
     q = np.zeros((B, T, H, D), np.float32)
     q[..., 0] = 1.0
-    scores, slots = jax.jit(mt.memory_search, static_argnums=(4, 5, 6, 7))(heads_first(q), mk, np.ones((B, M), bool),
-                                                                           jnp.ones(H), cfg, wide, None, slots_first)
+    scores, slots = search("kernel", q, mk, np.ones((B, M), bool), cfg)
     s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M], exact in float32
-    slots = np.asarray(slots)
-    np.testing.assert_array_equal(np.asarray(scores), np.take_along_axis(s, slots, -1))  # one slot a bin: no bits lost
+    np.testing.assert_array_equal(scores, np.take_along_axis(s, slots, -1))  # one slot a bin: no bits lost
     tol = lambda a, b: 2.0 ** -16 * np.maximum(abs(a), abs(b))
     pairs = 0
     for row_s, row_slots in zip(s.reshape(-1, M), slots.reshape(-1, K)):
@@ -116,67 +137,32 @@ def test_binned_memory_search_ranks_float32_scores_to_their_leading_mantissa_bit
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]),
-       chunk=st.sampled_from([4, 32, 512]), wide=st.booleans(), batch_block=st.sampled_from([1, 2]),
-       slots_first=st.booleans())
-@example(seed=1, fill=300, chunk=32, wide=False, batch_block=1, slots_first=True)  # tall pieces, slots first
-@example(seed=2, fill=1024, chunk=512, wide=True, batch_block=2, slots_first=True)  # whole rows, slots first
-def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, wide, batch_block,
-                                                                           slots_first):
-    """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots,
-    the lower bin first among equal maxima (integer scores, many of them equal, which no key
-    rounds). The memory, 8 rows of L = 128 slots, is scored in pieces of 4, 32 or 512 slots:
-    wide ones 4 or 32 slots of one row or 4 whole rows, tall ones half a bin, 4 or 64 whole
-    bins; the two batch rows together or one after the other (batch_block); the scores laid
-    out [.., slots, T] or [.., T, slots] (slots_first)."""
-    cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
-    B, T, H, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.memory_size, cfg.num_neighbors
-    L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
-    assert L == 128  # bins of 8 slots
-    size, bin_of = M // L, lambda slot: slot % L
-    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, wide, batch_block, slots_first)
-    valid = np.isfinite(s[:, 0, 0])  # [B, M]
-    best = np.full((B, H, T, M // size), -np.inf)
-    for slot in range(M):  # the bins' maxima, one slot at a time
-        best[..., bin_of(slot)] = np.maximum(best[..., bin_of(slot)], s[..., slot])
-    found = min([K] + [len(set(bin_of(np.flatnonzero(v)))) for v in valid])  # bins holding a valid slot
-    want = np.argsort(-best, axis=-1, kind="stable")[..., :found]  # the best bins, the lower one first among equals
-    got = slots[..., :found]
-    np.testing.assert_array_equal(bin_of(got), want)
-    np.testing.assert_array_equal(scores[..., :found], np.take_along_axis(best, want, -1))
-    # each slot a best one of its bin
-    np.testing.assert_array_equal(np.take_along_axis(s, got, -1), np.take_along_axis(best, want, -1))
-
-
-@SETTINGS
 @given(seed=st.integers(0, 2 ** 16), shape=st.sampled_from([(3, 5, 16), (7, 16), (2, 40), (4, 3, 96), (2, 3, 512),
                                                            (2, 600)]),
        k=st.sampled_from([1, 5, 16]))
 @example(seed=0, shape=(7, 16), k=5)  # 7 rows in blocks of 4: the last block padded
 def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
-    """The top-k of the bins' winners: the k largest of each row's distinct int32 keys,
-    largest first. In passes (a CPU's way) for rows of any length, in blocks of one row, of a
-    few rows (the last one padded where they do not divide) or all rows; and by top_k, in
-    passes and by lax.top_k of the keys as floats (other backends' way). The keys of the
-    largest and smallest floats among them."""
+    """The top-k of the bins' winners: the k largest of each row's distinct int32 keys, largest
+    first. In passes (a CPU's way) for rows of any length, in blocks of one row, of a few rows (the
+    last one padded where they do not divide) or all rows; and by top_k, the backend's way. The
+    keys of the largest and smallest floats among them."""
     rng = np.random.default_rng(seed)
     x = np.stack([rng.choice(np.arange(-2 ** 20, 2 ** 20), shape[-1], replace=False)  # distinct within a row
                   for _ in range(int(np.prod(shape[:-1])))]).reshape(shape).astype(np.int32)
     x[..., 0] -= 2 ** 30  # far below the rest, as the keys of invalid slots' scores are
-    x.reshape(-1, shape[-1])[0, :2] = mt._pack(jnp.asarray([-3.4e38, 3.4e38], jnp.float32), 0, 0)
+    x.reshape(-1, shape[-1])[0, :2] = kernels._pack(jnp.asarray([-3.4e38, 3.4e38], jnp.float32), 0, 0)
     want = -np.sort(-x.astype(np.int64), axis=-1)[..., :k]
     for block in [16, 64, 2 ** 21]:
-        got = jax.jit(mt.top_k_in_passes, static_argnums=(1, 2))(jnp.asarray(x), k, block)
+        got = jax.jit(kernels.top_k_in_passes, static_argnums=(1, 2))(jnp.asarray(x), k, block)
         np.testing.assert_array_equal(got, want)
-    for passes in [True, False, None]:  # the passes, lax.top_k of the keys as floats, the backend's choice
-        np.testing.assert_array_equal(jax.jit(mt.top_k, static_argnums=(1, 2))(jnp.asarray(x), k, passes), want)
+    np.testing.assert_array_equal(jax.jit(kernels.top_k, static_argnums=1)(jnp.asarray(x), k), want)
     with pytest.raises(ValueError, match="exceeds"):
-        mt.top_k_in_passes(jnp.asarray(x), shape[-1] + 1)
+        kernels.top_k_in_passes(jnp.asarray(x), shape[-1] + 1)
 
 
 def test_the_bin_layout_has_rows_of_a_power_of_two_the_largest_that_leaves_enough_bins():
-    """bin_layout: M = rows * L, rows a power of two dividing M, L at least num_topk_bins, and
-    no larger power of two would do; L = num_topk_bins where M is a power of two."""
+    """bin_layout: M = rows * L, rows a power of two dividing M, L at least num_topk_bins, and no
+    larger power of two would do; L = num_topk_bins where M is a power of two."""
     for k, m in [(8, 64), (32, 512), (32, 768), (32, 1024), (32, 8192), (32, 3 * 2 ** 12), (32, 65536), (4, 40)]:
         need = mt.num_topk_bins(k, m, 0.95)
         L, rows = mt.bin_layout(k, m, 0.95)
@@ -187,10 +173,11 @@ def test_the_bin_layout_has_rows_of_a_power_of_two_the_largest_that_leaves_enoug
     assert mt.bin_layout(32, 768, 0.95) == (768, 1) and mt.bin_layout(32, 3 * 2 ** 12, 0.95) == (768, 16)
 
 
+@pytest.mark.parametrize("name", sorted(SEARCHES))
 @pytest.mark.parametrize("target", [0.05, 0.3, 0.95])
-def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(target):
-    """Fewer bins than neighbours would leave fewer winners than k: num_topk_bins never goes
-    below k, and with every slot valid the answer is the k best bins' maxima."""
+def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(target, name):
+    """Fewer bins than neighbours would leave fewer winners than k: num_topk_bins never goes below
+    k, and with every slot valid the answer is the k best bins' maxima."""
     for k, m in [(1, 8), (8, 32), (32, 512), (32, 65536), (24, 40)]:
         assert min(k, m) <= mt.num_topk_bins(k, m, target) <= m
     cfg = SMALL.replace(topk_recall_target=target)
@@ -199,13 +186,13 @@ def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(t
     rng = np.random.default_rng(0)
     q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)  # integer scores: exact keys
     mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
-    scores, slots = mt.memory_search(heads_first(q), mk, np.ones((B, M), bool), jnp.ones(H), cfg)
+    scores, slots = search(name, q, mk, np.ones((B, M), bool), cfg)
     s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M]
     best = s.reshape(B, H, T, M // L, L).max(axis=3)  # bin of slot s: s mod L
     want = np.argsort(-best, axis=-1, kind="stable")[..., :K]
-    np.testing.assert_array_equal(np.asarray(slots) % L, want)
+    np.testing.assert_array_equal(slots % L, want)
     np.testing.assert_array_equal(scores, np.take_along_axis(best, want, -1))
-    np.testing.assert_array_equal(np.take_along_axis(s, np.asarray(slots), -1), scores)
+    np.testing.assert_array_equal(np.take_along_axis(s, slots, -1), scores)
 
 
 def recall(slots, exact_slots):
@@ -214,16 +201,16 @@ def recall(slots, exact_slots):
     return sum(hits) / exact_slots.size
 
 
+@pytest.mark.parametrize("name", sorted(SEARCHES))
 @pytest.mark.parametrize("memory_size", [8192, 65536])
-def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size):
+def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size, name):
     cfg = mt.Config(memory_size=memory_size, segment_length=64, num_neighbors=32, head_dim=32, num_heads=1, d_model=32)
     rng = np.random.default_rng(0)
     q = np_unit(rng.standard_normal((1, 64, 1, 32))).astype(np.float32)
     mk = np_unit(rng.standard_normal((1, 1, memory_size, 32))).astype(np.float32)
-    valid = np.ones((1, memory_size), bool)
-    _, approx = mt.memory_search(heads_first(q), mk, valid, jnp.ones(1), cfg)
+    _, approx = search(name, q, mk, np.ones((1, memory_size), bool), cfg)
     _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
-    r = recall(np.asarray(approx), np.asarray(exact))
+    r = recall(approx, np.asarray(exact))
     L = mt.num_topk_bins(32, memory_size, cfg.topk_recall_target)
     assert r >= 0.9, r
     assert abs(r - (L / 32) * (1 - (1 - 1 / L) ** 32)) < 0.03  # the documented formula predicts it
@@ -231,45 +218,31 @@ def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size)
 
 @pytest.mark.parametrize("bits", [2, 7, 12])
 def test_packed_scores_sort_like_the_scores_and_carry_their_row(bits):
-    """_pack: an int32 key per score, in the scores' order, with the row in its low bits.
-    bfloat16 scores (16 zero low bits once widened) come back exactly; float32 ones lose
-    the low `bits` bits of their mantissa and nothing more."""
+    """kernels._pack: an int32 key per score, in the scores' order, with the row in its low bits.
+    bfloat16 scores (16 zero low bits once widened) come back exactly; float32 ones lose the low
+    `bits` bits of their mantissa and nothing more."""
     rng = np.random.default_rng(bits)
     row = rng.integers(0, 2 ** bits, (3, 4096)).astype(np.int32)
     x16 = np.asarray(jnp.asarray(rng.standard_normal((3, 4096)), jnp.bfloat16), np.float32)
-    value, got_row = mt._unpack(mt._pack(jnp.asarray(x16), jnp.asarray(row), bits), bits)
+    value, got_row = kernels._unpack(kernels._pack(jnp.asarray(x16), jnp.asarray(row), bits), bits)
     np.testing.assert_array_equal(value, x16)
     np.testing.assert_array_equal(got_row, row)
     x32 = rng.standard_normal((3, 4096)).astype(np.float32)
-    key = np.asarray(mt._pack(jnp.asarray(x32), jnp.zeros_like(row), bits))
+    key = np.asarray(kernels._pack(jnp.asarray(x32), jnp.zeros_like(row), bits))
     assert np.all(np.diff(np.take_along_axis(key, np.argsort(x32, axis=-1), -1), axis=-1) >= 0)  # monotone
-    value, got_row = mt._unpack(jnp.asarray(key), bits)
+    value, got_row = kernels._unpack(jnp.asarray(key), bits)
     np.testing.assert_allclose(value, x32, rtol=2.0 ** (bits - 23), atol=0)
     assert np.all(np.asarray(got_row) == 0)
 
 
-def test_key_floats_keep_the_keys_order_one_for_one_and_are_never_subnormal():
-    """The top-k ranks int32 keys as floats: in the same order, and none subnormal or zero,
-    which a backend may flush to zero (the keys of scores at or near 0 would be), and none
-    NaN or infinite, up to the keys of the largest floats below 2^127."""
-    edges = [0, 1, -1, 2 ** 23 - 1, -(2 ** 23) + 1, 2 ** 23, -(2 ** 23)]
-    packed = np.asarray(mt._pack(jnp.asarray([mt.NEG_INF, -1e30, 1e30, -1.0, 1.0, 0.0, -0.0, BELOW_2_127,
-                                              -BELOW_2_127]), 0, 0))
-    rng = np.random.default_rng(0)
-    keys = np.unique(np.concatenate([edges, packed, rng.integers(-2 ** 30, 2 ** 30, 1000)]).astype(np.int32))
-    f = np.asarray(mt._key_floats(jnp.asarray(keys)))
-    assert np.all(np.diff(f) > 0)  # strictly in the keys' order
-    assert np.all(np.abs(f) >= np.finfo(np.float32).tiny) and np.all(np.isfinite(f))  # normal floats
-    np.testing.assert_array_equal(mt._float_keys(jnp.asarray(f)), keys)
-
-
-def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095():
+@pytest.mark.parametrize("name", sorted(SEARCHES))
+def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095(name):
     """Mixed precision searches bf16 keys with bf16 scores; against float32 exact top-k."""
     cfg = mt.Config(memory_size=8192, segment_length=64, num_neighbors=32, head_dim=128, num_heads=1, d_model=128)
     rng = np.random.default_rng(1)
     q = np_unit(rng.standard_normal((1, 64, 1, 128))).astype(np.float32)
     mk = np_unit(rng.standard_normal((1, 1, 8192, 128))).astype(np.float32)
-    _, approx = mt.memory_search(heads_first(jnp.asarray(q, jnp.bfloat16)), jnp.asarray(mk, jnp.bfloat16), np.ones((1, 8192), bool),
-                                 jnp.full(1, math.sqrt(128)), cfg)
+    _, approx = SEARCHES[name](heads_first(jnp.asarray(q, jnp.bfloat16)), jnp.asarray(mk, jnp.bfloat16),
+                               np.ones((1, 8192), bool), jnp.full(1, math.sqrt(128)), cfg)
     _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
     assert recall(np.asarray(approx), np.asarray(exact)) >= 0.95

@@ -17,13 +17,12 @@ import pytest
 
 import benchmark
 import evaluate
-import peer_benchmark
+import runs
 import sample
-import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PARSERS = {"train.py": train.build_parser, "evaluate.py": evaluate.build_parser, "sample.py": sample.build_parser,
-           "benchmark.py": benchmark.build_parser, "peer_benchmark.py": peer_benchmark.build_parser}
+PARSERS = {"train.py": runs.train_parser, "evaluate.py": evaluate.build_parser, "sample.py": sample.build_parser,
+           "benchmark.py": benchmark.build_parser}
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9_]*\b")  # RUN_DIR, PATH, M, A,B, FILE(.png)
 
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import memorizing_transformer as mt
+import runs
 import train
-from conftest import early, job_env
+from conftest import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A model small enough that a run of a few steps takes seconds: the tiny preset with short
@@ -90,8 +91,8 @@ def test_the_previous_token_prior_sets_only_distance_1_in_half_the_first_layers_
 
 
 def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
-    args = train.build_parser().parse_args(["--preset", "tiny", "--memory-layers", "1,3", "--init-gate-bias", "-2"])
-    c = train.config_from_args(args)
+    args = runs.train_parser().parse_args(["--preset", "tiny", "--memory-layers", "1,3", "--init-gate-bias", "-2"])
+    c = runs.config_from_args(args)
     params = mt.init_params(c, jax.random.PRNGKey(0))
     for i, layer in enumerate(params["layers"]):
         assert ("gate_bias" in layer) == (i in (1, 3))
@@ -117,108 +118,6 @@ def test_the_t5_bias_tables_take_the_plain_step():
         # a weight matrix still steps relative to its scale
         w, uw = np.asarray(params["layers"][i]["w1"]), np.asarray(u["layers"][i]["w1"])
         assert np.sqrt(np.mean(uw ** 2)) <= lr(1) * np.sqrt(np.mean(w ** 2)) * 1.0001
-
-
-FAULTS_PER_CALL = """
-import json, resource, sys
-import train  # (imports JAX) then the setting, in the order every script makes it
-if not train.keep_freed_host_memory():
-    sys.exit(print("unsupported"))
-import jax, jax.numpy as jnp, numpy as np
-f = jax.jit(lambda x: jnp.tanh(jnp.outer(x, x)) @ x)  # a [4096, 4096] float32 temporary
-x = jax.device_put(np.linspace(-1.0, 1.0, 4096, dtype=np.float32), jax.devices("cpu")[0])
-assert f.lower(x).compile().memory_analysis().temp_size_in_bytes >= 64 * 2 ** 20
-faults = []
-for _ in range(40):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    jax.block_until_ready(f(x))
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps(faults))
-"""
-
-
-def test_a_steps_freed_host_memory_is_reused_not_faulted_in_anew():
-    """keep_freed_host_memory (made by every script, and by conftest for this session): a jitted
-    call's 64 MB of temporaries come from memory the process already holds, so once warm most
-    calls page-fault almost nothing. In a fresh process, as a script's: in a pytest-xdist worker's
-    process the setting did not take (likely because its threads, and so glibc arenas, exist
-    before conftest limits malloc to one arena). On the CPU backend, whatever the default one:
-    a GPU's temporaries are device memory."""
-    # (compiled at XLA's default optimization level, as a script's, not conftest's lowest: the
-    # setting is about malloc, and the default level's tanh runs 40 calls in a fraction of the time)
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
-    proc = subprocess.run([sys.executable, "-c", FAULTS_PER_CALL], cwd=HERE, capture_output=True, text=True,
-                          env=dict(os.environ, XLA_FLAGS=flags))
-    assert proc.returncode == 0, proc.stderr
-    if proc.stdout.strip() == "unsupported":
-        pytest.skip("the setting exists on Linux with glibc only")
-    faults = json.loads(proc.stdout)
-    # Without the setting, every call faults in its 16,384 pages (655,440 in all). With it, the
-    # heap grows for the first calls, as glibc carves small blocks out of a freed one, and then
-    # serves most calls from what it holds. Now and then it grows again, late too (in 2 of 12
-    # runs here on 2026-11-27, a call among the last 5 faulted its block in; at most 12 of 40
-    # calls faulted, 196,590 pages), so: most calls fault nothing, and the total stays under half.
-    assert sum(faults) < 20 * 16384 and sum(f < 1000 for f in faults) >= 20, faults
-
-
-# A fresh process with keep_freed_host_memory, and glibc's malloc, free and sbrk.
-GLIBC = """
-import ctypes, json, sys
-import train
-if not train.keep_freed_host_memory():
-    sys.exit(print("unsupported"))
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
-"""
-HOLES = GLIBC + """
-blocks = [libc.malloc(4096) for _ in range(4000)]
-holes = blocks[::2]
-for b in holes:  # 2000 holes of 4 KiB, each between two blocks still in use
-    libc.free(b)
-taken = train.fill_heap_holes()
-new = [libc.malloc(4096) for _ in range(200)]
-print(json.dumps({"taken": taken, "reused": len(set(new) & set(holes))}))
-"""
-
-
-def test_fill_heap_holes_takes_every_hole_so_that_new_blocks_come_from_elsewhere():
-    """fill_heap_holes (train.py calls it after its compiles): in the one heap that
-    keep_freed_host_memory makes, every freed block of 1 KiB or more is taken for good, so a
-    new block is never one of them. Without it, glibc hands the freed 4 KiB blocks out again.
-    In a fresh process, as a script's (see the test above)."""
-    proc = subprocess.run([sys.executable, "-c", HOLES], cwd=HERE, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    if proc.stdout.strip() == "unsupported":
-        pytest.skip("the setting exists on Linux with glibc only")
-    out = json.loads(proc.stdout)
-    assert out["taken"] >= 2000 and out["reused"] == 0, out
-    without = subprocess.run([sys.executable, "-c", HOLES.replace("train.fill_heap_holes()", "0")], cwd=HERE,
-                             capture_output=True, text=True)
-    assert json.loads(without.stdout)["reused"] > 100  # the holes are there to be taken
-
-
-NO_TRIM = GLIBC + """
-block = libc.malloc(2 ** 31 + 2 ** 22)  # address space only: not one of its pages is touched
-if not block:
-    sys.exit(print("no room"))
-end = libc.sbrk(0)
-libc.free(block)
-print(json.dumps({"kept": libc.sbrk(0) == end}))
-"""
-
-
-def test_a_freed_block_over_2_gib_stays_in_the_heap():
-    """keep_freed_host_memory turns trimming off for blocks of any size: a freed 2 GiB block at
-    the top of the heap is kept, not handed back to the kernel to be faulted in again by the
-    next step (with the threshold at 2^31 - 1 it was: the paper preset's step at batch 1
-    faulted 1.6 GB back in now and then). In a fresh process, as a script's."""
-    proc = subprocess.run([sys.executable, "-c", NO_TRIM], cwd=HERE, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    if proc.stdout.strip() in ("unsupported", "no room"):
-        pytest.skip(f"keep_freed_host_memory: {proc.stdout.strip()} (Linux with glibc only; 2 GiB of address space)")
-    assert json.loads(proc.stdout)["kept"], proc.stdout
 
 
 def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
@@ -295,10 +194,10 @@ def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tm
     assert run(tmp_path / "nomem", cache, "--steps", "2", "--memory-size", "0") == 0
     assert run(tmp_path / "mem", cache, "--steps", "2") == 0
     for src, out in (("mem", "bigger"), ("nomem", "added")):
-        _, before = train.load_checkpoint(str(tmp_path / src / "checkpoint.npz"))
+        _, before = runs.load_checkpoint(str(tmp_path / src / "checkpoint.npz"))
         assert run(tmp_path / out, cache, "--steps", "1", "--memory-size", "128", "--lr", "1e-9",
                    "--init-from", str(tmp_path / src)) == 0
-        _, after = train.load_checkpoint(str(tmp_path / out / "checkpoint.npz"))
+        _, after = runs.load_checkpoint(str(tmp_path / out / "checkpoint.npz"))
         for k, v in before.items():
             if k.startswith("params"):  # copied (a step at lr 1e-9 moves nothing visibly)
                 np.testing.assert_allclose(after[k], v, atol=1e-6, err_msg=k)
@@ -312,7 +211,7 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     """Sec. 4.4 fine-tunes "for an additional 20K steps": the step count (so the schedule, no
     second warmup) and Adafactor's statistics continue; --fresh-start restarts them."""
     assert run(tmp_path / "src", cache, "--steps", "3") == 0
-    meta, src = train.load_checkpoint(str(tmp_path / "src" / "checkpoint.npz"))
+    meta, src = runs.load_checkpoint(str(tmp_path / "src" / "checkpoint.npz"))
     assert meta["step"] == 3
     for extra, first in (([], 4), (["--fresh-start"], 1)):
         out = tmp_path / f"ft{first}"
@@ -322,7 +221,7 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
         assert [r["step"] for r in logged] == [first, first + 1]
         lr = float(train.learning_rate(first, mt.PRESETS["tiny"].lr, mt.PRESETS["tiny"].warmup_steps))
         assert logged[0]["lr"] == pytest.approx(lr, rel=1e-6)
-        _, after = train.load_checkpoint(str(out / "checkpoint.npz"))
+        _, after = runs.load_checkpoint(str(out / "checkpoint.npz"))
         assert int(after["opt['count']"]) == first + 1
         if first == 4:
             assert json.loads((out / "config.json").read_text())["config"]["steps"] == 5
@@ -332,10 +231,10 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     # again, or the run was refused, or trained on stdlib.
     assert train.main(["--cache-dir", cache, "--out", str(tmp_path / "own"), "--init-from", str(tmp_path / "src"),
                        "--steps", "1", "--memory-size", "128", "--num-neighbors", "4"]) == 0
-    source, own = (train.read_run_config(str(tmp_path / d)) for d in ("src", "own"))
+    source, own = (runs.read_run_config(str(tmp_path / d)) for d in ("src", "own"))
     assert source["config"].segment_length != mt.PRESETS["tiny"].segment_length
     assert own["config"] == source["config"].replace(memory_size=128, num_neighbors=4, steps=4)
-    assert {k: own["args"][k] for k in train.RUN_DATA_ARGS} == {k: source["args"][k] for k in train.RUN_DATA_ARGS}
+    assert {k: own["args"][k] for k in runs.RUN_DATA_ARGS} == {k: source["args"][k] for k in runs.RUN_DATA_ARGS}
     assert source["args"]["data"] == "synthetic:40"
     assert run(tmp_path / "bad", cache, "--fresh-start") == 2
     # The run's model as it is: not a layer more or fewer (once loaded or dropped without a word),
@@ -375,8 +274,8 @@ def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
     s0 = init0(p0)
     names0 = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
     s0 = {**s0, "count": jnp.int32(7), "v": [jax.tree.map(lambda x, i=i: x + i + 1, v) for i, v in enumerate(s0["v"])]}
-    arrays = {f"opt{k}": v for k, v in train._flat(s0).items()}
-    got = train.restore_optimizer(train.make_optimizer(c1)[0](p1), p1, arrays, c0, "ckpt")
+    arrays = {f"opt{k}": v for k, v in runs._flat(s0).items()}
+    got = runs.restore_optimizer(train.make_optimizer(c1)[0](p1), p1, arrays, c0, "ckpt")
     assert int(got["count"]) == 7
     for (path, _), v in zip(jax.tree_util.tree_flatten_with_path(p1)[0], got["v"]):
         name = jax.tree_util.keystr(path)
@@ -396,17 +295,18 @@ def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_p
 
     monkeypatch.setattr(np, "savez", dies)
     with pytest.raises(KeyboardInterrupt):
-        train.save_checkpoint(path, 3, {"a": np.zeros(2)}, {}, mt.init_state(mt.PRESETS["tiny"], 1), {})
+        runs.save_checkpoint(path, 3, {"a": np.zeros(2)}, {}, mt.init_state(mt.PRESETS["tiny"], 1), {})
     with open(path, "rb") as f:
         assert f.read() == good
-    assert sorted(os.listdir(tmp_path / "r")) == sorted(train.RUN_FILES)  # its temporary file removed
+    assert sorted(os.listdir(tmp_path / "r")) == sorted(runs.RUN_FILES)  # its temporary file removed
 
 
-@early
-def smoke_run(tmp):
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("smoke_run")
     proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic:40", "--steps", "10",
                            "--log-every", "5", "--out", str(tmp / "smoke"), "--cache-dir", str(tmp / "cache")],
-                          cwd=HERE, capture_output=True, text=True, env=job_env())
+                          cwd=HERE, capture_output=True, text=True, env=child_env())
     return proc, tmp / "smoke"
 
 
@@ -426,14 +326,15 @@ def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(smoke_run):
     assert "step     10 | loss" in proc.stdout
 
 
-@early
-def three_runs_with_a_cache_dir(tmp):
+@pytest.fixture(scope="session")
+def three_runs_with_a_cache_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("three_runs_with_a_cache_dir")
     """Three runs with one --cache-dir, the third with JAX_COMPILATION_CACHE_DIR naming another
     cache: each run's process and the --cache-dir's compiled programs after it."""
     def train_run(out, **env):
         proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(tmp / out),
                               "--cache-dir", str(tmp / "cache")], cwd=HERE, capture_output=True, text=True,
-                              env=job_env(**env))
+                              env=child_env(**env))
         return proc, sorted(os.listdir(tmp / "cache" / "jax"))
 
     return tmp, [train_run("r1"), train_run("r2"), train_run("r3", JAX_COMPILATION_CACHE_DIR=str(tmp / "named"))]
@@ -455,12 +356,13 @@ def test_a_second_run_loads_its_compiled_programs_from_the_cache_dir_and_gives_t
     assert runs[2][1] == entries
 
 
-@early
-def runs_on_cpu_devices(tmp):
+@pytest.fixture(scope="session")
+def runs_on_cpu_devices(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("runs_on_cpu_devices")
     """FAST runs on 4 CPU devices, and where this session's backend is not a CPU on 1: each run's
     process and output directory, by number of devices."""
     def run_on(devices):
-        env = job_env(JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
+        env = child_env(JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
                       XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
         proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(tmp / str(devices)),
                               "--cache-dir", str(tmp / "cache")], cwd=HERE, capture_output=True, text=True, env=env)
@@ -518,7 +420,7 @@ def test_model_size_flags_set_the_config_and_the_parameter_shapes(tmp_path, cach
         c = json.load(f)["config"]
     assert (c["d_model"], c["num_heads"], c["head_dim"], c["d_ff"], c["num_layers"], c["vocab_size"], c["attention"]) == \
         (48, 3, 16, 96, 2, 1024, "fused")
-    _, arrays = train.load_checkpoint(str(tmp_path / "r" / "checkpoint.npz"))
+    _, arrays = runs.load_checkpoint(str(tmp_path / "r" / "checkpoint.npz"))
     assert arrays["params['embed']"].shape == (1024, 48) and arrays["params['w_out']"].shape == (48, 1024)
     assert arrays["params['layers'][1]['wq']"].shape == (48, 3, 16) and arrays["params['layers'][1]['w1']"].shape == (48, 96)
     assert "params['layers'][2]['wq']" not in arrays
@@ -598,7 +500,7 @@ def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, mo
 
     def conflict(was, value):
         saved = {"config": config, "args": {"data": was}}
-        return train.resume_conflict(argparse.Namespace(data=value), saved, str(tmp_path / "run"), {"data"})
+        return runs.resume_conflict(argparse.Namespace(data=value), saved, str(tmp_path / "run"), {"data"})
 
     for same in ("corpus", "./corpus/", str(tmp_path / "corpus"), "link", "other/../corpus"):
         assert conflict("corpus", same) is None, same
@@ -612,9 +514,9 @@ def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, mo
 
 # ----------------------------------------------------------------------------- interruptions
 def start(out, cache, *extra):
-    """train.py with FAST in a subprocess, from an early job (so with job_env())."""
+    """train.py with FAST in a subprocess, from an early job (so with child_env())."""
     return subprocess.Popen([sys.executable, "train.py"] + FAST + ["--out", str(out), "--cache-dir", cache] + list(extra),
-                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
 
 
 def ending(proc):
@@ -632,8 +534,9 @@ def wait_for_step(proc, step):
     raise AssertionError(f"train.py ended before step {step}: {proc.stderr.read()}")
 
 
-@early
-def run_stopped_by_ctrl_c(tmp):
+@pytest.fixture(scope="session")
+def run_stopped_by_ctrl_c(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run_stopped_by_ctrl_c")
     """A run that saves only when stopped, stopped by SIGINT after its third step: its exit code,
     stderr and directory, and its cache."""
     proc = start(tmp / "r", str(tmp / "cache"), "--steps", "100000", "--save-every", "100000")
@@ -645,7 +548,7 @@ def run_stopped_by_ctrl_c(tmp):
 def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path, cache, run_stopped_by_ctrl_c):
     code, err, out, its_cache = run_stopped_by_ctrl_c
     assert code == 130 and "interrupted at step" in err
-    meta, _ = train.load_checkpoint(str(out / "checkpoint.npz"))
+    meta, _ = runs.load_checkpoint(str(out / "checkpoint.npz"))
     k = meta["step"]
     assert run(out, its_cache, "--steps", str(k + 3), "--resume") == 0
     assert run(tmp_path / "full", cache, "--steps", str(k + 3), "--save-every", "100000") == 0
@@ -653,8 +556,9 @@ def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_
     np.testing.assert_allclose([got[s] for s in range(1, k + 4)], [want[s] for s in range(1, k + 4)], rtol=1e-6)
 
 
-@early
-def run_killed_at_random_points(tmp):
+@pytest.fixture(scope="session")
+def run_killed_at_random_points(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run_killed_at_random_points")
     """A run's first checkpoint, then three times: resumed, saving at every step, and killed
     (SIGKILL) 0-0.5 s after a step. The first run's ending, what loading the checkpoint gave
     after each kill (its metadata, or the exception), the run's directory and its cache."""
@@ -669,7 +573,7 @@ def run_killed_at_random_points(tmp):
         proc.kill()
         proc.wait()
         try:
-            loaded.append(train.load_checkpoint(str(out / "checkpoint.npz"))[0])
+            loaded.append(runs.load_checkpoint(str(out / "checkpoint.npz"))[0])
         except Exception as e:  # noqa: BLE001  (the test names it)
             loaded.append(e)
     return first, loaded, out, cache
@@ -680,14 +584,14 @@ def test_kill_9_at_random_points_never_loses_the_last_checkpoint(tmp_path, cache
     assert code == 0, err  # a first checkpoint
     for meta in loaded:  # loadable, whatever the timing
         assert isinstance(meta, dict) and meta["step"] >= 1, meta
-    k = train.load_checkpoint(str(out / "checkpoint.npz"))[0]["step"]
+    k = runs.load_checkpoint(str(out / "checkpoint.npz"))[0]["step"]
     # What a kill during a save leaves (a checkpoint-sized file each time, once kept forever),
     # by the names atomic_write gives (and gave), goes at the next resume; other files stay.
     left = [".checkpoint.npz.k1ll3d_x.partial", ".metrics.jsonl.abcdefgh.partial", "tmpk1ll3d_x.tmp"]
     for name in left + ["notes.tmp", ".checkpoint.npz.mine.partial"]:
         (out / name).write_bytes(b"x")
     assert run(out, its_cache, "--steps", str(k + 2), "--resume") == 0
-    assert sorted(os.listdir(out)) == sorted(list(train.RUN_FILES) + ["notes.tmp", ".checkpoint.npz.mine.partial"])
+    assert sorted(os.listdir(out)) == sorted(list(runs.RUN_FILES) + ["notes.tmp", ".checkpoint.npz.mine.partial"])
     assert run(tmp_path / "full", cache, "--steps", str(k + 2), "--save-every", "100000") == 0
     got, want = losses(out), losses(tmp_path / "full")
     np.testing.assert_allclose([got[s] for s in range(1, k + 3)], [want[s] for s in range(1, k + 3)], rtol=1e-6)
@@ -697,7 +601,7 @@ def test_a_non_finite_loss_stops_training_naming_the_step_and_keeps_the_last_che
     out = tmp_path / "r"
     assert run(out, cache, "--steps", "2") == 0
     # Weights near the float32 limit: the next forward pass overflows.
-    meta, arrays = train.load_checkpoint(str(out / "checkpoint.npz"))
+    meta, arrays = runs.load_checkpoint(str(out / "checkpoint.npz"))
     arrays = {k: (v * 1e37 if k.startswith("params") and k.endswith("['wq']") else v) for k, v in arrays.items()}
     np.savez(out / "checkpoint.npz", __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
     before = (out / "checkpoint.npz").read_bytes()
@@ -723,8 +627,8 @@ def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_do
             secret |= {v.tobytes() for v in np.asarray(a[0]).reshape(-1, cfg.head_dim)}
     _, state = fwd(params, state, rng.integers(0, 64, (2, 8)), jnp.array([True, False]), cfg)
     path = str(tmp_path / "checkpoint.npz")
-    train.save_checkpoint(path, 4, params, {}, state, {})
-    _, arrays = train.load_checkpoint(path)
+    runs.save_checkpoint(path, 4, params, {}, state, {})
+    _, arrays = runs.load_checkpoint(path)
     found, rows_1 = [], 0
     for name, a in arrays.items():
         if name.startswith("state") and a.dtype == np.float32:
