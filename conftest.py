@@ -4,8 +4,8 @@ train.py and benchmark.py processes the tests start get them too.
 1. Full float32 precision for matmuls on every backend: the tests compare the math with exact
    references, and a GPU's default float32 matmul is a TF32-class pass with a 10-bit mantissa.
 2. Deterministic GPU kernels, so that a resumed run can be held equal to an uninterrupted one.
-3. One compilation cache for the session (for each pytest-xdist worker), shared with the processes
-   its tests start, so that each distinct program compiles once.
+3. One compilation cache for each process of the session (pytest-xdist runs two), shared with the
+   processes its tests start that run to their end, so that each program compiles once.
 4. On a CPU, LLVM's lowest optimization level and XLA's older kernel emitters: the suite is mostly
    compiling, and these halve that; the math is the same, its float32 rounding may differ in the last bits.
 """
@@ -30,9 +30,29 @@ import jax  # noqa: E402  (after the environment above)
 
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first
 
+# pytest.ini runs the suite in two processes (pytest-xdist, --dist loadgroup): one takes the tests whose
+# work is a whole command in a process of its own (these fixtures), the other every other test, so that
+# each program the in-process tests share is compiled once.
+COMMAND_FIXTURES = {"smoke_run", "three_runs_with_a_cache_dir", "runs_on_cpu_devices", "run_stopped_by_ctrl_c",
+                    "run_killed_at_random_points", "toy_benchmark", "train_only_benchmark", "table_of_two_seeds",
+                    "finetune_runs", "interrupted_train_runs", "interrupted_while_jax_starts_a_plugin",
+                    "peer_benchmark_stopped"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        commands = COMMAND_FIXTURES & set(item.fixturenames)
+        item.add_marker(pytest.mark.xdist_group("commands" if commands else "in-process"))
+
 
 def pytest_sessionfinish():
     shutil.rmtree(_cache, ignore_errors=True)
+
+
+def child_env(**extra):
+    """The session's environment for a process that a test starts and may stop at any point, without
+    the session's compilation cache: a process killed while writing an entry would leave it half-written."""
+    return dict({k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, **extra)
 
 
 @pytest.fixture(scope="session")
@@ -51,9 +71,3 @@ def finished_run(tmp_path_factory, cache):
     with open(out.parent / "stdout.txt", "w") as log, contextlib.redirect_stdout(log):
         assert train.main(FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]) == 0
     return out
-
-
-def child_env(**extra):
-    """The session's environment for a process that a test starts and may stop at any point, without
-    the session's compilation cache: a process killed while writing an entry would leave it half-written."""
-    return dict({k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, **extra)

@@ -361,17 +361,16 @@ def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments(ops):
     np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
 
 
-@OPS
 @SETTINGS
 @given(pos=st.integers(0, 4 * SMALL.segment_length - 1), seed=st.integers(0, 100))
-def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed, ops):
+def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed):
     # Bit-identical on purpose: a masked key weighs exactly 0 and adds exactly 0, so the same
     # program gives the same bits for the earlier positions on any deterministic backend.
     tokens = np.asarray(random_tokens(seed, SMALL, 2, 4))
     changed = tokens.copy()
     changed[:, pos] = (changed[:, pos] + 1) % SMALL.vocab_size
-    a, _ = stream(params, jnp.asarray(tokens), SMALL, ops=ops)
-    b, _ = stream(params, jnp.asarray(changed), SMALL, ops=ops)
+    a, _ = stream(params, jnp.asarray(tokens), SMALL, ops=kernels.FAST)
+    b, _ = stream(params, jnp.asarray(changed), SMALL, ops=kernels.FAST)
     np.testing.assert_array_equal(a[:, :pos], b[:, :pos])
     assert not np.allclose(a[:, pos:], b[:, pos:])
 
@@ -464,41 +463,39 @@ def test_padding_is_never_stored_as_a_valid_entry(params):
     assert np.asarray(state.cache_valid).sum(1).tolist() == [5, cfg.segment_length]
 
 
-@OPS
-def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(params, ops):
+def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(params):
     # A batch of 2 against a batch of 1 are different programs (other matmul shapes, other
     # summation orders on a GPU): their agreement is a property of the math, so it is checked
     # to float32 precision, not bit for bit.
     cfg = SMALL
     history = random_tokens(3, cfg, 2, 5)  # fills the memory past wrap-around
     doc = random_tokens(4, cfg, 2, 3)
-    _, state = stream(params, history, cfg, ops=ops)
+    _, state = stream(params, history, cfg, ops=kernels.FAST)
     # Row 0 starts a new document; row 1 continues its old one.
     logits, out = [], state
     for n in range(3):
         seg = doc[:, n * cfg.segment_length:(n + 1) * cfg.segment_length]
-        lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg, ops=ops)
+        lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg, ops=kernels.FAST)
         logits.append(lg)
     logits = jnp.concatenate(logits, axis=1)
-    fresh, _ = stream(params, doc[:1], cfg, ops=ops)
+    fresh, _ = stream(params, doc[:1], cfg, ops=kernels.FAST)
     np.testing.assert_allclose(logits[0], fresh[0], atol=1e-5, rtol=1e-5)
     # Row 1 alone, with the same history, gives the same numbers as in the batch.
-    alone, _ = stream(params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg, ops=ops)
+    alone, _ = stream(params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg, ops=kernels.FAST)
     np.testing.assert_allclose(logits[1], alone[0, history.shape[1]:], atol=1e-5, rtol=1e-5)
 
 
-@OPS
-def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_local_path(params, ops):
+def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_local_path(params):
     cfg = SMALL
     params = randomize(params, 3)
     tokens = random_tokens(5, cfg, 2, 3)
-    _, state = stream(params, tokens[:, :2 * cfg.segment_length], cfg, ops=ops)
+    _, state = stream(params, tokens[:, :2 * cfg.segment_length], cfg, ops=kernels.FAST)
     seg = tokens[:, 2 * cfg.segment_length:]
 
     names = ("cache_k", "cache_v", "mem_k", "mem_v", "pending_k", "pending_v")
 
     def f(params, arrays):
-        logits, _ = mt.forward(params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg, ops=ops)
+        logits, _ = mt.forward(params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg, ops=kernels.FAST)
         return mt.loss(logits, seg, jnp.ones(seg.shape, bool))
 
     gp, gs = jax.jit(jax.grad(f, argnums=(0, 1)))(params, {n: getattr(state, n) for n in names})
@@ -509,12 +506,11 @@ def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_loc
         assert np.any(np.asarray(mem_layer[name]) != 0), name
 
 
-@OPS
-def test_memory_off_ablation_equals_local_only_reference(params, ops):
+def test_memory_off_ablation_equals_local_only_reference(params):
     cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size)
     params = randomize(params, 4)
     tokens = random_tokens(6, cfg, 2, 3)
-    got, _ = stream(mt.memory_off(params), tokens, cfg, ops=ops)
+    got, _ = stream(mt.memory_off(params), tokens, cfg, ops=kernels.FAST)
     np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg, gate="local"),
                                atol=2e-4, rtol=2e-4)
 
@@ -583,26 +579,24 @@ def loss_and_grad(params, state, tokens, reset, mask, ops):
     return mt.loss(logits, tokens, mask), logits
 
 
-@OPS
 @SETTINGS
 @given(history=st.integers(0, 3), reset=st.lists(st.booleans(), min_size=2, max_size=2),
        valid=st.lists(st.integers(0, SMALL.segment_length), min_size=2, max_size=2))
-def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, reset, valid, ops):
+def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, reset, valid):
     """A document's first token with an empty memory and cache, all-padding segments, any fill."""
     cfg = SMALL
     state = mt.init_state(cfg, 2)
     if history:
-        _, state = stream(params, random_tokens(history, cfg, 2, history), cfg, ops=ops)
+        _, state = stream(params, random_tokens(history, cfg, 2, history), cfg, ops=kernels.FAST)
     mask = jnp.arange(cfg.segment_length)[None, :] < jnp.asarray(valid)[:, None]  # [B, T]
     seg = random_tokens(11, cfg, 2, 1)
 
-    (value, logits), grads = loss_and_grad(params, state, seg, jnp.asarray(reset), mask, ops=ops)
+    (value, logits), grads = loss_and_grad(params, state, seg, jnp.asarray(reset), mask, ops=kernels.FAST)
     assert np.isfinite(value) and np.all(np.isfinite(logits))
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
-@OPS
-def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retrievals(params, ops):
+def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retrievals(params):
     """Ethics section: the memory is cleared at each document. A then B in one row, or B alone."""
     cfg = SMALL
     T = cfg.segment_length
@@ -612,11 +606,11 @@ def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retri
         out = []
         for n in range(3):
             logits, state, (r,) = forward(params, state, doc[:, n * T:(n + 1) * T], jnp.full((2,), n == 0), cfg,
-                                          return_retrievals=True, ops=ops)
+                                          return_retrievals=True, ops=kernels.FAST)
             out.append((np.asarray(logits), np.asarray(r["slots"]), np.asarray(r["weights"])))
         return out
 
-    _, after_secret = stream(params, secret, cfg, ops=ops)
+    _, after_secret = stream(params, secret, cfg, ops=kernels.FAST)
     with_a, without_a = run_b(after_secret), run_b(mt.init_state(cfg, 2))
     for n, ((la, sa, wa), (lb, sb, wb)) in enumerate(zip(with_a, without_a)):
         np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)
