@@ -48,6 +48,58 @@ broadcast_rows.defvjp(lambda x, rows: (broadcast_rows(x, rows), None),
                       lambda rows, _, g: (jnp.einsum("b,b...->...", jnp.ones((rows,), g.dtype), g),))
 
 
+def transpose_product(a, b, precision=None):
+    """a^T b in float32 for a [..., K, M], b [..., K, N], contracting the leading axis of both. On a
+    CPU the smaller operand is transposed first, as a copy of its own (an optimization barrier keeps
+    XLA from folding the transpose back into the product): XLA's CPU backend runs a product that
+    contracts the leading axis of both as a generic dot, slower than the library matmul."""
+    apart = jax.lax.optimization_barrier if backend() == "cpu" else (lambda x: x)
+    swap = lambda x: jnp.swapaxes(x, -1, -2)
+    product = functools.partial(jnp.matmul, preferred_element_type=jnp.float32, precision=precision)
+    if a.size <= b.size:
+        return product(apart(swap(a)), b)
+    return swap(apart(product(apart(swap(b)), a)))
+
+
+def _pad_rows(x, rows):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(rows, 0), (0, 0)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def product_qk(q, k, precision, constant_rows=0):
+    """q k^T in float32: q [..., Q, D], k [..., W, D] -> [..., Q, W]. Its gradient's k side is a
+    transpose_product, and the first constant_rows keys (the XL cache's) get 0, not computed."""
+    return jnp.einsum("...qd,...wd->...qw", q, k, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _product_qk_bwd(precision, constant_rows, saved, g):
+    q, k = saved
+    g = g.astype(q.dtype)
+    dq = jnp.matmul(g, k, preferred_element_type=jnp.float32, precision=precision)  # [..., Q, D]
+    dk = transpose_product(g[..., constant_rows:], q, precision)  # [..., W - constant_rows, D]
+    return dq.astype(q.dtype), _pad_rows(dk, constant_rows).astype(k.dtype)
+
+
+product_qk.defvjp(lambda q, k, precision, rows: (product_qk(q, k, precision, rows), (q, k)), _product_qk_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def product_pv(p, v, precision, constant_rows=0):
+    """p v in float32: p [..., Q, W], v [..., W, D] -> [..., Q, D], its gradient as product_qk's."""
+    return jnp.matmul(p, v, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _product_pv_bwd(precision, constant_rows, saved, g):
+    p, v = saved
+    g = g.astype(v.dtype)
+    dp = jnp.einsum("...qd,...wd->...qw", g, v, preferred_element_type=jnp.float32, precision=precision)
+    dv = transpose_product(p[..., constant_rows:], g, precision)  # [..., W - constant_rows, D]
+    return dp.astype(p.dtype), _pad_rows(dv, constant_rows).astype(v.dtype)
+
+
+product_pv.defvjp(lambda p, v, precision, rows: (product_pv(p, v, precision, rows), (p, v)), _product_pv_bwd)
+
+
 def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     """mt.local_attention with the queries in blocks: a query sees at most T + 1 of the S keys, so
     each block of Q queries meets only the W = T + Q keys its windows reach. The mask is a bias,
@@ -69,13 +121,12 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     valid = ((dist >= 0) & (dist <= config.segment_length))[None] & blocks(key_valid, 1)[:, :, None, :]  # [B, n, Q, W]
     bias = broadcast_rows(position_bias(rel_bias, buckets), B) + jnp.where(valid, 0.0, NEG_INF)[:, None]  # [B, H, n, Q, W]
     qs = (q * scale.astype(q.dtype)[None, :, None, None]).reshape(B, H, n, Q, D)
-    logits = jnp.einsum("bhnqd,bhnwd->bhnqw", qs, blocks(k, 2), preferred_element_type=jnp.float32,
-                        precision=mt.precision(config)) + bias  # [B, H, n, Q, W]
+    cached = int(np.clip(S - T - starts, 0, W).min())  # leading keys of every block that are the cache's
+    logits = product_qk(qs, blocks(k, 2), mt.precision(config), cached) + bias  # [B, H, n, Q, W]
     # The softmax normalized after the value product: the division is over D, not W. The max only
     # keeps exp() in range; it cancels, so it needs no gradient. Every valid query sees itself.
     e = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))  # [B, H, n, Q, W]
-    out = jnp.einsum("bhnqw,bhnwd->bhnqd", e.astype(v.dtype), blocks(v, 2), preferred_element_type=jnp.float32,
-                     precision=mt.precision(config))  # [B, H, n, Q, D]
+    out = product_pv(e.astype(v.dtype), blocks(v, 2), mt.precision(config), cached)  # [B, H, n, Q, D]
     q_valid = key_valid[:, S - T:].reshape(B, 1, n, Q, 1)  # a padding query gets 0
     return (out / jnp.sum(e, axis=-1, keepdims=True) * q_valid).astype(v.dtype).reshape(B, H, T, D)
 

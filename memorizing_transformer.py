@@ -135,12 +135,10 @@ class State(NamedTuple):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def init_state(config, batch_size):
     c, n, B = config, len(config.active_memory_layers), batch_size
-    M, T = (c.memory_size, c.segment_length) if n else (0, 0)
+    L, H, C, M, T = c.num_layers, c.num_heads, c.cache_length, *((c.memory_size, c.segment_length) if n else (0, 0))
     kv = lambda *shape: jnp.zeros((B,) + shape + (c.head_dim,), c.storage_dtype)
-    return State(kv(c.num_layers, c.num_heads, c.cache_length), kv(c.num_layers, c.num_heads, c.cache_length),
-                 jnp.zeros((B, c.cache_length), bool), kv(n, c.num_heads, M), kv(n, c.num_heads, M),
-                 jnp.zeros((B, M), bool), jnp.zeros(B, jnp.int32), kv(n, c.num_heads, T), kv(n, c.num_heads, T),
-                 jnp.zeros((B, T), bool))
+    return State(kv(L, H, C), kv(L, H, C), jnp.zeros((B, C), bool), kv(n, H, M), kv(n, H, M), jnp.zeros((B, M), bool),
+                 jnp.zeros(B, jnp.int32), kv(n, H, T), kv(n, H, T), jnp.zeros((B, T), bool))
 
 
 def init_params(config, rng):
@@ -338,15 +336,16 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     key_valid = jnp.concatenate([cache_valid, mask], axis=1)  # [B, S]
     # The residual stream as a matrix, a row a token: each weight's gradient is one plain matmul.
     x = params["embed"][tokens.reshape(B * T)].astype(dt)  # [N, E], N = B * T
-    heads = lambda y: jnp.swapaxes(y.reshape(B, T, H, D), 1, 2)  # [N, H, D] -> [B, H, T, D]
+    heads = lambda y: jnp.swapaxes(y.reshape(B, T, H, D), 1, 2)  # [N, HD] -> [B, H, T, D]
     new_k, new_v, pending_k, pending_v, retrievals = [], [], [], [], []
     for i, p in enumerate(params["layers"]):
         h = rms_norm(x, p["attn_norm"])  # [N, E]
-        q, k, v = (heads(jnp.einsum("ne,ehd->nhd", h, p[w].astype(dt))) for w in ("wq", "wk", "wv"))  # [B, H, T, D]
+        w_qkv = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).reshape(E, -1).astype(dt)  # [E, 3HD]: one matmul
+        q, k, v = (heads(y) for y in jnp.split(h @ w_qkv, 3, axis=1))  # [B, H, T, D] each
         q, k = l2_normalize(q), l2_normalize(k)
-        cache_k, cache_v = jax.lax.stop_gradient((state.cache_k[:, i], state.cache_v[:, i]))  # [B, H, C, D]
-        ks = jnp.concatenate([cache_k.astype(dt), k], axis=2)  # [B, H, S, D]
-        vs = jnp.concatenate([cache_v.astype(dt), v], axis=2)
+        # Transformer-XL: the previous segment's keys and values first, constants (no gradient).
+        ks, vs = (jnp.concatenate([jax.lax.stop_gradient(cache[:, i]).astype(dt), x], axis=2)  # [B, H, S, D]
+                  for cache, x in ((state.cache_k, k), (state.cache_v, v)))
         out = ops.local_attention(q, ks, vs, key_valid, p["rel_bias"], p["qk_scale"], c)  # [B, H, T, D]
         if i in c.active_memory_layers:
             j = c.active_memory_layers.index(i)

@@ -70,6 +70,41 @@ def test_the_local_attention_kernels_gradients_are_the_plain_ones_and_none_for_t
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=max(5e-6 * np.abs(w).max(), 4 * r), err_msg=name)
 
 
+@pytest.mark.parametrize("shapes", [((3, 5, 7), (3, 5, 2)), ((3, 5, 2), (3, 5, 7)), ((6, 4), (6, 4))])
+def test_transpose_product_equals_a_transposed_times_b(shapes):
+    """a^T b for a batch of [K, M] and [K, N]: either operand the smaller (the two ways it is computed
+    on a CPU) or both the same size."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    got = jax.jit(kernels.transpose_product)(a, b)
+    np.testing.assert_allclose(got, np.swapaxes(a, -1, -2).astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,constant", [("product_qk", 0), ("product_qk", 3), ("product_pv", 0), ("product_pv", 3)])
+def test_the_attention_products_with_their_own_gradients_equal_numpy_products_and_gradients(name, constant):
+    """The local attention kernel's two products have hand-written gradients (the transposed products
+    as transpose_products): the values and both gradients of sum(f(a, b) * r) against numpy's, with a,
+    b of distinct sizes so that a swapped or transposed operand cannot pass; the first `constant` rows
+    of b (the cache's keys, values) get 0, numpy's gradient elsewhere."""
+    rng = np.random.default_rng(1)
+    Q, W, D = 5, 7, 3
+    shapes, f, ref, grads = {
+        "product_qk": (((2, Q, D), (2, W, D)), lambda a, b: kernels.product_qk(a, b, None, constant),
+                       lambda a, b: a @ np.swapaxes(b, -1, -2), lambda a, b, r: (r @ b, np.swapaxes(r, -1, -2) @ a)),
+        "product_pv": (((2, Q, W), (2, W, D)), lambda a, b: kernels.product_pv(a, b, None, constant), lambda a, b: a @ b,
+                       lambda a, b, r: (r @ np.swapaxes(b, -1, -2), np.swapaxes(a, -1, -2) @ r)),
+    }[name]
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    r = rng.standard_normal(ref(a, b).shape)
+    value, (da, db) = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b) * r), argnums=(0, 1)))(a, b)
+    np.testing.assert_allclose(value, np.sum(ref(a64, b64) * r), rtol=1e-5)
+    want_a, want_b = grads(a64, b64, r)
+    want_b[..., :constant, :] = 0
+    for got, want in zip((da, db), (want_a, want_b)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("one_hot", [False, True])
 def test_position_bias_and_its_gradient_equal_a_lookup_and_a_sum_per_bucket(one_hot):
     """Both forms of the T5 bias lookup (a gather; a one-hot product, a GPU's): the values are the
