@@ -379,7 +379,7 @@ def json_or_error(result, what):
     code, stdout, stderr = result
     if code:
         last = (stderr.strip().splitlines() or ["no message"])[-1]
-        print(f"error: {what} failed (exit code {code}): {last}", file=sys.stderr)
+        runs.say(f"error: {what} failed (exit code {code}): {last}")
         return None, 130 if code == 130 else 1
     return json.loads(stdout.strip().splitlines()[-1]), 0
 
@@ -409,8 +409,8 @@ def time_rows(args, common, sizes, rows, env):
         ahead, code = compile_ahead(common, sizes, args.compile_jobs, env)
         if code:
             return code
-        print(f"compiled ahead: {len(sizes)} rows' train steps in {time.perf_counter() - t0:.0f} s, "
-              f"{min(args.compile_jobs, len(sizes))} at a time", file=sys.stderr)
+        runs.say(f"compiled ahead: {len(sizes)} rows' train steps in {time.perf_counter() - t0:.0f} s, "
+                 f"{min(args.compile_jobs, len(sizes))} at a time")
     for m in sizes:
         cmd = common + ["--row", str(m)] + (["--profile", args.profile] if args.profile else [])
         row, code = json_or_error(run_child(cmd + (["--train-only"] if args.train_only else []), env),
@@ -419,8 +419,8 @@ def time_rows(args, common, sizes, rows, env):
             return code
         row["compiled_ahead_s"] = ahead.get(m)
         rows.append(row)
-        print(f"row {m}: step {row['step_s']:.4f} s, peak {row['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
-              f"{row['compile_s']:.0f} s" + (f" (ahead: {ahead[m]:.0f} s)" if m in ahead else ""), file=sys.stderr)
+        runs.say(f"row {m}: step {row['step_s']:.4f} s, peak {row['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
+                 f"{row['compile_s']:.0f} s" + (f" (ahead: {ahead[m]:.0f} s)" if m in ahead else ""))
     if args.rounds:
         paired, code = json_or_error(run_child(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds",
                                                          str(args.rounds), "--alternate"], env), "the alternated rounds")
@@ -428,7 +428,7 @@ def time_rows(args, common, sizes, rows, env):
             return code
         for r in rows:
             r.update(paired[str(r["memory_size"])])
-        print(f"alternated: {runs.plural(args.rounds, 'round')}", file=sys.stderr)
+        runs.say(f"alternated: {runs.plural(args.rounds, 'round')}")
     return 0
 
 
@@ -506,8 +506,7 @@ def build_parser():
                    "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)")
     p.add_argument("--ops", choices=sorted(OPS), default="fast", help="the model's pieces: kernels.FAST, or the plain "
                    "ones of memorizing_transformer.py (what the kernels buy)")
-    p.add_argument("--json", type=runs.path_arg, help="write the rows to this file as a list of objects (replaced "
-                   "atomically)")
+    p.add_argument("--json", type=runs.path_arg, help="write the rows to this file as a list of objects" + runs.REPLACED)
     p.add_argument("--profile", type=runs.path_arg, metavar="DIR", help="also trace --steps steps of each row; print "
                    "the XLA operations that took the most time and the largest arrays the step's operations write, "
                    "and keep the trace, the HLO and the tables in DIR")
@@ -595,7 +594,7 @@ def benchmark(args):
         return print(json.dumps(run_row(args.preset, batch, args.row, args.steps, *setting, args.profile,
                                         args.attention, args.train_only, args.ops))) or 0
     if args.json:
-        runs.check_output_file(args.json, "json")
+        runs.check_output_file(args.json, "json", caches=[runs.default_cache()])
     if args.profile:
         runs.check_writable_dir(args.profile, "--profile")
         os.makedirs(args.profile, exist_ok=True)

@@ -51,6 +51,31 @@ def _read_bytes(path, stats):
     return None
 
 
+def read_text(path, what, limit=2 ** 26):
+    """The text of a file a user names (a prompt), read as a corpus file is: a regular file only, of
+    at most `limit` bytes, UTF-8. DataError (one sentence) otherwise."""
+    try:
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISDIR(info.st_mode):
+                raise DataError(f"{what} {path} is a directory, not a file.")
+            if not stat.S_ISREG(info.st_mode):
+                raise DataError(f"{what} {path} is not a regular file (a device, a pipe or a socket).")
+            if info.st_size > limit:
+                raise DataError(f"{what} {path} has {info.st_size:,} bytes, more than the {limit:,} this reads.")
+            raw = f.read(limit + 1)
+    except FileNotFoundError:
+        raise DataError(f"{what} {path} does not exist.") from None
+    except IsADirectoryError:
+        raise DataError(f"{what} {path} is a directory, not a file.") from None
+    except OSError as e:
+        raise DataError(f"{what} {path} cannot be read: {e.strerror}.") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{what} {path} is not UTF-8 text.") from None
+
+
 def _read_text_file(path, stats):
     """The file's text, or None (counted in stats) if it is binary, not UTF-8, unreadable or
     not a regular file (_read_bytes)."""
@@ -620,6 +645,12 @@ def corpus_key(docs):
     return h.hexdigest()[:16]
 
 
+def file_hash(path):
+    """A short hash of a file's bytes (a tokenizer's)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def fingerprint(*doc_lists):
     """A short hash of lists of token documents (each an int array): their number, lengths and
     ids. A checkpoint keeps the one of the documents it was trained on, which a --resume then
@@ -634,11 +665,15 @@ def fingerprint(*doc_lists):
 
 
 def get_tokenizer(docs, vocab_size, cache_dir, key, seed=0):
-    """The cached tokenizer for this corpus and vocab size, trained on first use."""
+    """The cached tokenizer for this corpus and vocab size, trained on first use, and again where
+    the cached one cannot be read (a cache heals)."""
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, f"tokenizer-{key}-{vocab_size}.model")
     if os.path.isfile(path):
-        return load_tokenizer(path), path
+        try:
+            return load_tokenizer(path), path
+        except DataError:
+            print(f"note: the cached tokenizer {path} cannot be read; training it again.")
     return train_tokenizer(docs, vocab_size, path, seed), path
 
 
@@ -661,8 +696,8 @@ def tokenize(docs, sp, cache_path=None):
                 tokens, refs, offsets = z["tokens"], z["refs"], z["offsets"]
             return ([tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
                     [refs[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
-        except (OSError, KeyError, ValueError):
-            pass  # a corrupt cache is rebuilt
+        except Exception:  # noqa: BLE001  (a truncated zip, a bad array, ...: whatever np.load raises)
+            print(f"note: the token cache {cache_path} cannot be read; tokenizing again.")
     plain = [d.text for d in docs if not d.parts]
     plain = iter(sp.encode(plain, num_threads=os.cpu_count() or 1)) if plain else iter(())
     encoded = [encode_document(sp, d) if d.parts else (np.asarray(next(plain), np.int32), None) for d in docs]
@@ -803,9 +838,7 @@ def prepare(args, vocab_size, tokenizer_path=None):
         sp, tokenizer_path = get_tokenizer(train_docs, vocab_size, args.cache_dir, key)
     if sp.get_piece_size() > vocab_size:
         raise DataError(f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {vocab_size}.")
-    with open(tokenizer_path, "rb") as f:
-        tok_hash = hashlib.sha256(f.read()).hexdigest()[:16]
-    cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{tok_hash}-{part}.npz")
+    cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{file_hash(tokenizer_path)}-{part}.npz")
     train, _ = tokenize(train_docs, sp, cache("train"))
     valid, refs = tokenize(valid_docs, sp, cache("valid"))
     if args.min_doc_tokens:

@@ -45,8 +45,9 @@ import train
 # ----------------------------------------------------------------------------- loading a run
 def load_run(run_dir, memory_size=None):
     """(config, params, tokenizer, saved args) of a run; memory_size overrides the config's
-    (Sec. 4.4: a model trained with a small memory evaluated with a larger one). The args
-    carry the checkpoint's fingerprints of its documents as "documents" (None if it has none)."""
+    (Sec. 4.4: a model trained with a small memory evaluated with a larger one). The args carry
+    the checkpoint's fingerprints of its documents and tokenizer, "documents" and "tokenizer"
+    (None where it has none); a tokenizer other than the checkpoint's is refused."""
     saved = runs.read_run_config(run_dir)
     config = saved["config"]
     if memory_size is not None:
@@ -55,12 +56,16 @@ def load_run(run_dir, memory_size=None):
         except ValueError as e:  # the flag named: the config's words alone (num_neighbors, ...) are the run's
             raise runs.UsageError(f"memory size {memory_size} does not fit the run in {run_dir}: {e}") from None
     runs.check_fits(config, 1)
-    sp = data.load_tokenizer(os.path.join(run_dir, "tokenizer.model"))
+    tokenizer = os.path.join(run_dir, "tokenizer.model")
+    sp = data.load_tokenizer(tokenizer)
     if sp.get_piece_size() > config.vocab_size:
-        raise runs.UsageError(f"{run_dir}/tokenizer.model has {sp.get_piece_size()} pieces, more than the run's "
-                         f"vocab_size {config.vocab_size}: it is not the run's tokenizer.")
+        raise runs.UsageError(f"{tokenizer} has {sp.get_piece_size()} pieces, more than the run's vocab_size "
+                              f"{config.vocab_size}: it is not the run's tokenizer.")
     ckpt = os.path.join(run_dir, "checkpoint.npz")
     meta, arrays = runs.load_checkpoint(ckpt)
+    if meta.get("tokenizer") not in (None, data.file_hash(tokenizer)):  # (a checkpoint from before has none)
+        raise runs.UsageError(f"{tokenizer} is not the tokenizer the run in {run_dir} was trained with (its checkpoint "
+                              f"records another): its ids would mean other words; restore the run's own.")
     # A run trained without memory, evaluated with one, gets fresh gates (g = 0.5): only then
     # are parameters initialized; otherwise their shapes are the template (no compile, no work).
     fresh_gates = bool(config.active_memory_layers) and not any("gate_bias" in k for k in arrays)
@@ -69,7 +74,7 @@ def load_run(run_dir, memory_size=None):
         runs.check_same_model(jax.eval_shape(init), arrays, ckpt)
     params = runs.restore_tree(init() if fresh_gates else jax.eval_shape(init), arrays, "params", ckpt,
                                 strict=not fresh_gates)
-    return config, params, sp, dict(saved["args"], documents=meta.get("documents"))
+    return config, params, sp, dict(saved["args"], documents=meta.get("documents"), tokenizer=meta.get("tokenizer"))
 
 
 def validation_docs(args, run_args, sp, config):
@@ -92,9 +97,8 @@ def validation_docs(args, run_args, sp, config):
         mt.check_tokens(t, config.vocab_size)
     known = (run_args.get("documents") or {}).get("validation") if own and fmt == run_args["data_format"] else None
     if known and data.fingerprint([t for t, _ in kept]) != known:
-        print(f"note: the validation documents of {source} are not those of the run's checkpoint (the corpus, or "
-              f"the run's tokenizer, changed since): these numbers are for the documents as they are now.",
-              file=sys.stderr)
+        runs.say(f"note: the validation documents of {source} are not those of the run's checkpoint (the corpus, or "
+                 f"the run's tokenizer, changed since): these numbers are for the documents as they are now.")
     return [t for t, _ in kept], [r for _, r in kept]
 
 
@@ -230,7 +234,7 @@ def cmd_compare(args):
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            print("matplotlib is not installed: no plot (the CSV and the summary are written).", file=sys.stderr)
+            runs.say("matplotlib is not installed: no plot (the CSV and the summary are written).")
         else:
             fig, ax = plt.subplots(figsize=(12, 3))
             ax.bar(np.arange(1, len(delta) + 1), delta, width=1.0)
@@ -738,13 +742,13 @@ def build_parser():
     s.add_argument("--eval-tokens", type=positive, help="tokens from each document's start (default: the run's)")
     s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
                    "approximate top-k (default: the run's)")
-    s.add_argument("--json", type=runs.path_arg, help="write the result here")
+    s.add_argument("--json", type=runs.path_arg, help="write the result here" + runs.REPLACED)
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
     s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--csv", type=runs.path_arg, required=True, help="per-token output")
-    s.add_argument("--plot", type=runs.path_arg, help="a PNG of delta per token (needs matplotlib)")
+    s.add_argument("--csv", type=runs.path_arg, required=True, help="per-token output" + runs.REPLACED)
+    s.add_argument("--plot", type=runs.path_arg, help="a PNG of delta per token (needs matplotlib)" + runs.REPLACED)
     s = with_run("inspect", "what the memory retrieves for the tokens it helps most (Tables 6-8)")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
@@ -754,14 +758,14 @@ def build_parser():
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
     s.add_argument("--top", type=positive, default=4, help="memories kept per query and head")
-    s.add_argument("--out", type=runs.path_arg, required=True, help="the HTML file to write")
+    s.add_argument("--out", type=runs.path_arg, required=True, help="the HTML file to write" + runs.REPLACED)
     s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
     s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="run the model, store the memory and score "
                    "the search in this dtype, the exact top-k too (default: the run's)")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
     s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--json", type=runs.path_arg, help="write the result here")
+    s.add_argument("--json", type=runs.path_arg, help="write the result here" + runs.REPLACED)
     s = sub.add_parser("reach", help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
                        "documents with references D tokens back (the needle test)",
                        formatter_class=runs.HelpFormatter)
@@ -777,7 +781,7 @@ def build_parser():
     s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
     s.add_argument("--json", type=runs.path_arg,
                    help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
-                   "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds")
+                   "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds" + runs.REPLACED)
     s = sub.add_parser("finetune", help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
                        "memory from scratch for the same total steps", formatter_class=runs.HelpFormatter)
     s.add_argument("--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run")
@@ -823,9 +827,15 @@ def build_parser():
 
 
 def run(args):
+    # No output replaces a run's files, nor goes into the run's corpus or cache, or those named.
+    run_args = ((runs.read_json(os.path.join(args.run_dir, "config.json")) or {}).get("args") or {}
+                if getattr(args, "run_dir", None) else {})
+    sources = [d for d in (run_args.get("data"), getattr(args, "data", None)) if isinstance(d, str)]
+    caches = [d for d in (run_args.get("cache_dir"), getattr(args, "cache_dir", None), runs.default_cache())
+              if isinstance(d, str)]
     for name in ("json", "csv", "plot", "out"):
         if getattr(args, name, None):
-            runs.check_output_file(getattr(args, name), name)
+            runs.check_output_file(getattr(args, name), name, sources, caches)
     return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect, "explore": cmd_explore,
             "recall": cmd_recall, "reach": cmd_reach, "finetune": cmd_finetune,
             "table": cmd_table}[args.command](args)

@@ -140,13 +140,42 @@ def check_writable_dir(path, flag):
         raise UsageError(f"cannot write to {flag} {path}: {probe} is not a writable directory.")
 
 
-def check_output_file(path, flag):
-    """Refuse an output file that cannot be written: no directory, or a directory in its place."""
+def inside(path, directory):
+    """Whether path (existing or not, links resolved) is directory or lies below it."""
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(directory))
+    return rel == os.curdir or rel.split(os.sep)[0] != os.pardir
+
+
+def check_output_file(path, flag, sources=(), caches=()):
+    """Refuse, before any work, an output file that cannot be written (no directory, or a directory
+    in its place), or that would replace a file of a run directory (RUN_FILES), or lie in one of the
+    corpora `sources` or the caches `caches`. Any other existing file is replaced atomically."""
+    real = os.path.realpath(path)
+    if os.path.basename(real) in RUN_FILES and os.path.isfile(os.path.join(os.path.dirname(real), "config.json")):
+        raise UsageError(f"--{flag} {path} is the {os.path.basename(real)} of the run in {os.path.dirname(real)}: an "
+                         f"output never replaces a run's files; name another file.")
+    for source in sources:
+        if data.inside_corpus(path, source):
+            raise UsageError(f"--{flag} {path} is inside the corpus {source}: an output never replaces or adds to a "
+                             f"corpus's files; name a file outside it.")
+    for cache in caches:
+        if cache and os.path.isdir(cache) and inside(path, cache):
+            raise UsageError(f"--{flag} {path} is inside the cache {cache}: an output never replaces a cache's files; "
+                             f"name a file outside it.")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"cannot write --{flag} {path}: it is a directory.")
     if not is_stream(path) and not writable_directory(folder):
         raise UsageError(f"cannot write --{flag} {path}: {folder} is not a writable directory.")
+
+
+# What an output flag's --help says of the file it names.
+REPLACED = (" (an existing file is replaced atomically; a run's own files, and files in a corpus or a cache, are "
+            "refused)")
+
+
+def default_cache():
+    return os.environ.get("MT_CACHE") or ".cache"
 
 
 def read_json(path):
@@ -160,23 +189,54 @@ def read_json(path):
 
 
 # ----------------------------------------------------------------------------- run directories
+# Config fields that runs written by the first versions lack: read with the default, which is what
+# those versions did.
+ADDED_SINCE = ("attention", "init_prev_token_bias", "init_gate_bias")
+
+
+def json_type(field, value):
+    """Whether a config.json value has its Config field's type: a bool is true or false, an int
+    not a bool, a float any number, memory_layers a list of ints, a str (or None if the default is)."""
+    number = lambda x, t: isinstance(x, t) and not isinstance(x, bool)
+    return {int: number(value, int), float: number(value, (int, float)), bool: isinstance(value, bool),
+            str: isinstance(value, str) or (value is None and field.default is None),
+            tuple: isinstance(value, list) and all(number(x, int) for x in value)}[field.type]
+
+
 def read_run_config(run_dir):
-    """A run's config.json as {"config": Config, "args": dict}; a broken file is a UsageError."""
+    """A run's config.json as {"config": Config, "args": dict}, read strictly: every Config field,
+    with its JSON type (ADDED_SINCE's may be missing: their defaults, with a note). A broken file
+    is a UsageError naming what is wrong."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
         raise UsageError(f"{run_dir} is not a run directory (no config.json).")
     saved = read_json(path)
+    args, fields = (saved.get("args"), saved.get("config")) if saved else (None, None)
+    if not isinstance(args, dict) or not isinstance(fields, dict) or not all(
+            isinstance(args.get(k), t) and not isinstance(args.get(k), bool) for k, t in RUN_ARGS.items()) or not (
+            isinstance(args.get("suffixes"), (str, type(None))) and isinstance(args.get("min_doc_tokens", 0), (int, type(None)))):
+        raise UsageError(f"{path} is not a valid run config.")
+    known = {f.name: f for f in dataclasses.fields(mt.Config)}
+    for name in fields:
+        if name not in known:
+            raise UsageError(f"{path} has a field {name!r} that this project's Config does not have.")
+    missing = [name for name in known if name not in fields]
+    for name in missing:
+        if name not in ADDED_SINCE:
+            raise UsageError(f"{path} has no field {name}: every field of the run's Config must be there.")
+    for name, value in fields.items():
+        if not json_type(known[name], value):
+            kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+                    tuple: "a list of integers"}[known[name].type]
+            raise UsageError(f"{path}: the field {name} must be {kind}, got {json.dumps(value)}.")
+    if missing:
+        say(f"note: {path} was written before the field{'s' * (len(missing) > 1)} {', '.join(missing)}: read with "
+            f"the default{'s' * (len(missing) > 1)}, " + ", ".join(f"{n} {known[n].default!r}" for n in missing) + ".")
     try:
-        args, fields = saved["args"], saved["config"]
-        if not all(isinstance(args.get(k), t) and not isinstance(args.get(k), bool) for k, t in RUN_ARGS.items()):
-            raise TypeError
-        if not (isinstance(args.get("suffixes"), (str, type(None))) and
-                isinstance(args.get("min_doc_tokens", 0), (int, type(None)))):
-            raise TypeError
-        saved["config"] = mt.Config(**{**fields, "memory_layers": tuple(fields["memory_layers"])})
-        return saved
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise UsageError(f"{path} is not a valid run config.") from None
+        saved["config"] = mt.Config(**fields)
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
+    return saved
 
 
 def holds_run(out):
@@ -273,14 +333,14 @@ def _flat(tree):
     return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def save_checkpoint(path, step, params, opt_state, state, data_position, documents=None):
+def save_checkpoint(path, step, params, opt_state, state, data_position, documents=None, tokenizer=None):
     """Atomic: a kill during a save leaves the previous checkpoint loadable. documents: the
     fingerprints of the training documents (in which data_position is a position) and of the
-    validation documents."""
+    validation documents; tokenizer: the hash of the run's tokenizer.model."""
     arrays = {}
     for name, tree in (("params", params), ("opt", opt_state), ("state", state._asdict())):
         arrays.update({f"{name}{k}": v for k, v in _flat(tree).items()})
-    meta = json.dumps({"step": step, "data_position": data_position, "documents": documents})
+    meta = json.dumps({"step": step, "data_position": data_position, "documents": documents, "tokenizer": tokenizer})
     atomic_write(path, lambda f: np.savez(f, __meta__=np.frombuffer(meta.encode(), np.uint8), **arrays))
 
 
@@ -537,7 +597,7 @@ def train_parser():
     p.add_argument("--valid-fraction", type=fraction, default=0.05, help="share of documents held out")
     p.add_argument("--tokenizer", type=path_arg, help="an existing SentencePiece .model (default: train one and "
                    "cache it)")
-    p.add_argument("--cache-dir", type=path_arg, default=os.environ.get("MT_CACHE") or ".cache", help="tokenizer and "
+    p.add_argument("--cache-dir", type=path_arg, default=default_cache(), help="tokenizer and "
                    "token cache (keyed on the corpus, the vocabulary size and the validation split), and in its jax/ "
                    "folder the compiled programs, which a later run with the same config loads instead of compiling "
                    "(--resume: the run's, if it still exists)")
@@ -755,35 +815,43 @@ def run_command(command, args):
         with dropped_interrupts_raised_again():
             return command(args)
     except (UsageError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     except BrokenPipeError:  # stdout's reader stopped reading (`| head`): stop quietly, as shell tools do
         return _stdout_gone()
     except OSError as e:  # a file the checks did not foresee: say which, and why
-        print(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename is not None else ""), file=sys.stderr)
+        say(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename is not None else ""))
         return 2
     except (MemoryError, RuntimeError, AssertionError) as e:  # (jax.errors.JaxRuntimeError is a RuntimeError)
         if isinstance(e, MemoryError) or (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)):
-            print("error: the device ran out of memory; lower --batch-size, --segment-length or --memory-size.",
-                  file=sys.stderr)
+            say("error: the device ran out of memory; lower --batch-size, --segment-length or --memory-size.")
         elif _backend_failed(e):
-            print(f"error: JAX could not start its backend (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): "
-                  f"{' '.join(str(e).split()) or 'no backend'}; unset JAX_PLATFORMS to let JAX choose one, or see "
-                  f"the README's GPU install.", file=sys.stderr)
+            say(f"error: JAX could not start its backend (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): "
+                f"{' '.join(str(e).split()) or 'no backend'}; unset JAX_PLATFORMS to let JAX choose one, or see the "
+                f"README's GPU install.")
         else:
             raise
         return 2
     except KeyboardInterrupt:
-        print("interrupted; no file was left half-written.", file=sys.stderr)
+        say("interrupted; no file was left half-written.")
         return 130
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
 
 
+def say(line):
+    """One line on stderr (an error or a note), where nothing fails if stderr is closed or broken."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def run_main(parser, command, argv):
     """A script's main(): parse argv (--help, or a bad flag in one line, end here with 0 or 2), then
     run_command."""
+    for name in ("stdout", "stderr"):  # started with a stream closed (`>&-`): Python has None there
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))
     if sys.stdout is sys.__stdout__ and getattr(sys.stdout, "errors", None) == "strict":
         sys.stdout.reconfigure(errors="surrogateescape")  # print a path that is not UTF-8 as its bytes
     try:
@@ -797,7 +865,7 @@ def _stdout_gone():
     """Point stdout at /dev/null, so that nothing more fails on it; the exit code of SIGPIPE."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a file (a test's capture)
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (a test's capture), or closed
         pass
     return 141
 
@@ -812,10 +880,13 @@ def exit_with(code):
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, interrupted)
     try:
-        sys.stdout.flush()
+        if sys.stdout is not None:  # (None: started with stdout closed)
+            sys.stdout.flush()
     except BrokenPipeError:
         gone = _stdout_gone()
         code = code or gone  # a failure keeps its own code
-    with contextlib.suppress(OSError, ValueError):
+    except (OSError, ValueError):  # a stdout that cannot take what is left: the code stands
+        pass
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         sys.stderr.flush()
     os._exit(code or 0)

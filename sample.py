@@ -28,6 +28,7 @@ import sys
 import jax
 import numpy as np
 
+import data
 import evaluate
 import kernels
 import memorizing_transformer as mt
@@ -158,19 +159,13 @@ def sample(args):
     except UnicodeEncodeError:
         raise runs.UsageError("--prompt is not UTF-8 text.") from None
     if args.prompt_file is not None:
-        try:
-            with open(args.prompt_file, "rb") as f:
-                text = f.read().decode("utf-8")
-        except UnicodeDecodeError:
-            raise runs.UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text.") from None
-        except FileNotFoundError:
-            raise runs.UsageError(f"--prompt-file {args.prompt_file} does not exist.") from None
-        except IsADirectoryError:
-            raise runs.UsageError(f"--prompt-file {args.prompt_file} is a directory, not a file.") from None
+        text = data.read_text(args.prompt_file, "--prompt-file")
     config, params, sp, run_args = evaluate.load_run(args.run_dir, args.memory_size)
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
-    if args.prompt_doc is not None:
+    if args.prompt_doc is not None or run_args["tokenizer"] is None:  # (an older checkpoint: its documents hold the
+        # tokenizer to the run, as evaluate.py's validation set does)
         docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
+    if args.prompt_doc is not None:
         if args.prompt_doc >= len(docs):
             raise runs.UsageError(f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
                                    f"{runs.plural(len(docs), 'document')}.")
@@ -186,8 +181,8 @@ def sample(args):
              stream.add)
     stream.close()
     print(flush=True)
-    print(f"({len(prompt)} prompt tokens, {args.tokens} generated, memory "
-          f"{'off' if args.memory_off else config.memory_size})", file=sys.stderr)
+    runs.say(f"({len(prompt)} prompt tokens, {args.tokens} generated, memory "
+             f"{'off' if args.memory_off else config.memory_size})")
     return 0
 
 

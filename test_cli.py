@@ -1,18 +1,23 @@
-"""The three command lines under careless and unlucky use (issue 14).
+"""The command lines under careless and unlucky use.
 
-A property-based probe drives every subcommand of train.py, evaluate.py and benchmark.py
-with generated bad flags and generated broken run directories, and asserts what the README
-promises: exit code 2, one line on stderr, no traceback, and every file that existed before
-byte-identical afterwards. Then one test per kind of failure the probes of the issue found.
-The interruptions (Ctrl-C, SIGTERM) and the process's own failures are in test_interrupts.py.
-The fixtures `cache` and `finished_run` (a finished FAST run) are conftest.py's.
+A property-based probe drives every subcommand of train.py, evaluate.py, sample.py and benchmark.py
+with generated bad flags, outputs that name a run's, a corpus's or a cache's files, generated broken
+run directories (config.json with a field removed or retyped among them), broken caches, and a closed
+stdout or stderr, and asserts what the README promises: exit code 2, one line on stderr, no
+traceback, and every file that existed before byte-identical afterwards (a broken cache file rebuilt,
+with a line saying so). Then one test per kind of failure the probes found. The interruptions are in
+test_interrupts.py, a run's files and caches in test_run_files.py. The fixtures `cache` and
+`finished_run` (a finished FAST run) are conftest.py's.
 """
+import contextlib
 import csv
+import dataclasses
 import errno
 import json
 import os
 import shutil
 import stat
+import sys
 import threading
 import time
 
@@ -23,10 +28,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import benchmark
 import data
 import evaluate
-import sample
+import memorizing_transformer as mt
 import runs
+import sample
 import train
-from test_evaluate import table_of_two_seeds  # noqa: F401  (an early job's fixture)
+from test_evaluate import table_of_two_seeds  # noqa: F401  (a fixture that trains the table's runs)
 from test_train import FAST, TINY_FAST
 
 SCRIPTS = {"train": train.main, "evaluate": evaluate.main, "benchmark": benchmark.main, "sample": sample.main}
@@ -140,6 +146,10 @@ RUN_ARG_EDITS = [("data", None), ("data", 3), ("valid_fraction", "x"), ("valid_f
 CONFIG_EDITS = [("segment_length", -1), ("segment_length", "x"), ("num_heads", 0), ("memory_size", 100),
                 ("memory_layers", None), ("memory_layers", [99]), ("dtype", "float16"), ("d_model", 100),
                 ("vocab_size", 64)]  # vocab 64: fewer than the tokenizer's pieces and the checkpoint's rows
+# A field of config.json retyped: each value is of another JSON type than the field's.
+RETYPED = {bool: ["false", "true", 0, 1, None, []], int: ["32", 32.0, 32.5, True, None, [32]],
+           float: ["1.0", True, None, {}], str: [5, True, ["float32"]], tuple: [1, "1", [True], [1.0], None]}
+REQUIRED_FIELDS = [f.name for f in dataclasses.fields(mt.Config) if f.name not in runs.ADDED_SINCE]
 
 
 def run_file_faults():
@@ -158,7 +168,11 @@ def run_file_faults():
     ]
     truncations = st.tuples(st.sampled_from(["config.json", "checkpoint.npz", "tokenizer.model"]),
                             st.floats(0.0, 0.95)).map(lambda t: _truncate(*t))
-    return st.sampled_from(fixed + args_edits + config_edits) | truncations
+    removed = st.sampled_from(REQUIRED_FIELDS).map(lambda name: drop(name, "config"))
+    retyped = st.sampled_from(dataclasses.fields(mt.Config)).flatmap(
+        lambda f: st.sampled_from([v for v in RETYPED[f.type] if not (v is None and f.default is None)]).map(
+            lambda v, name=f.name: _json_edit("config.json", lambda o: o["config"].__setitem__(name, v))))
+    return st.sampled_from(fixed + args_edits + config_edits) | truncations | removed | retyped
 
 
 def evaluate_faults(command):
@@ -184,14 +198,17 @@ def evaluate_faults(command):
     }[command]
     workspace = {
         "perplexity": [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "dir.json")],
-                       lambda ws: ["--json", str(ws / "afile" / "x.json")]],
-        "compare": [lambda ws: ["--csv", str(ws)], lambda ws: ["--plot", str(ws / "no" / "p.png")]],
+                       lambda ws: ["--json", str(ws / "afile" / "x.json")]] + output_faults("--json"),
+        "compare": [lambda ws: ["--csv", str(ws)], lambda ws: ["--plot", str(ws / "no" / "p.png")]] +
+                   output_faults("--csv") + output_faults("--plot"),
         "inspect": [lambda ws: ["--data", str(ws / "empty")]],
-        "recall": [lambda ws: ["--json", str(ws)]],
-        "explore": [lambda ws: ["--out", str(ws)], lambda ws: ["--out", str(ws / "afile" / "p.html")]],
+        "recall": [lambda ws: ["--json", str(ws)]] + output_faults("--json"),
+        "explore": [lambda ws: ["--out", str(ws)], lambda ws: ["--out", str(ws / "afile" / "p.html")]] +
+                   output_faults("--out"),
         "sample": [lambda ws: ["--prompt-file", str(ws)], lambda ws: ["--prompt-file", str(ws / "afile"),
                                                                       "--prompt-doc", "0"]],
-        "reach": [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "r.json")]],
+        "reach": [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "r.json")]] +
+                 output_faults("--json"),
         "finetune": [lambda ws: ["--out-root", str(ws / "afile")], lambda ws: ["--cache-dir", str(ws / "afile")]],
         "table": [lambda ws: ["--out-root", str(ws / "afile")], lambda ws: ["--cache-dir", str(ws / "afile")]],
     }[command]
@@ -207,8 +224,20 @@ def benchmark_faults():
              ["--rounds", "-2"], ["--search", "--rounds", "2"], ["--compile-jobs", "-1"],
              ["--search", "--compile-jobs", "3"], ["--json", ""], ["--profile", ""]]
     workspace = [lambda ws: ["--json", str(ws)], lambda ws: ["--json", str(ws / "no" / "x.json")],
-                 lambda ws: ["--profile", str(ws / "afile")]]
+                 lambda ws: ["--profile", str(ws / "afile")]] + output_faults("--json", reads=False)
     return st.sampled_from(plain).map(lambda f: (lambda ws: f)) | st.sampled_from(workspace)
+
+
+def output_faults(flag, reads=True):
+    """An output flag naming a file of the run (also through a link to it); for a command that reads
+    a run (`reads`), also one inside its cache (ws/cachelink) or a corpus it reads (ws/texts, --data)."""
+    faults = [lambda ws, name=name: [flag, str(ws / "run" / name)] for name in runs.RUN_FILES]
+    faults += [lambda ws: [flag, str(ws / "link" / "eval.json")]]
+    if reads:
+        faults += [lambda ws: [flag, str(ws / "cachelink" / "out")]]
+        faults += [lambda ws: ["--data", str(ws / "texts"), flag, str(ws / "texts" / "a.txt")],
+                   lambda ws: ["--data", str(ws / "texts"), flag, str(ws / "texts" / "new.txt")]]
+    return faults
 
 
 ODD_CONTENTS = [b"", b"  \n\t\n", b"\x00\x01binary", b"\xff\xfe not UTF-8", b"x = 1\n" * 40, b"import a\nimport b\n",
@@ -248,8 +277,14 @@ def odd_corpora(draw):
 @st.composite
 def probes(draw):
     """(script, argv as a function of the workspace, run-file faults)."""
-    command = draw(st.sampled_from(["train", "train on odd files", "train --resume", "perplexity", "compare", "inspect", "explore", "recall",
-                                    "reach", "table", "finetune", "sample", "benchmark"]))
+    command = draw(st.sampled_from(["train", "train on odd files", "train --resume", "train on a broken cache",
+                                    "perplexity", "compare", "inspect", "explore", "recall", "reach", "table", "finetune",
+                                    "sample", "benchmark"]))
+    if command == "train on a broken cache":  # read (and rebuilt, with a line), then refused after tokenizing
+        name, fraction = draw(st.sampled_from(["tokens-*-train.npz", "tokens-*-valid.npz", "tokenizer-*.model"])), \
+            draw(st.floats(0.0, 0.95))
+        return "train", lambda ws: FAST + ["--out", str(ws / "new"), "--cache-dir", str(ws / "cache"),
+                                           "--min-doc-tokens", "100000"], [("cache", name, fraction)]
     if command == "train":
         flags = draw(st.lists(train_faults(), min_size=1, max_size=3))
         return "train", lambda ws: FAST + ["--out", str(ws / "new")] + sum((f(ws) for f in flags), []), []
@@ -278,17 +313,45 @@ def probes(draw):
     return "evaluate", lambda ws: [command, str(ws / "run")] + need(ws) + sum((f(ws) for f in flags), []), files
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(probe=probes())
+@contextlib.contextmanager
+def closed(stream):
+    """The command run as if started with `stream` closed (`>&-`): Python's sys.stdout or sys.stderr
+    is None then; and its exit (runs.exit_with) with os._exit raising SystemExit instead."""
+    def exit_(code):
+        raise SystemExit(code)
+    saved, real_exit = (getattr(sys, stream) if stream else None), os._exit
+    if stream:
+        setattr(sys, stream, None)
+    os._exit = exit_
+    try:
+        yield
+    finally:
+        os._exit = real_exit
+        if stream:
+            setattr(sys, stream, saved)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(probe=probes(), stream=st.sampled_from([None, None, None, "stdout", "stderr"]))
 def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_file(
-        tmp_path_factory, finished_run, cache, capsys, probe):
+        tmp_path_factory, finished_run, cache, capsys, probe, stream):
     script, argv, file_faults = probe
     ws = tmp_path_factory.mktemp("ws")
     shutil.copytree(finished_run, ws / "run")
     (ws / "empty").mkdir()
     (ws / "afile").write_text("a file where a directory or a model should be")
     os.symlink(ws / "run", ws / "link")
+    os.symlink(cache, ws / "cachelink")
+    (ws / "texts").mkdir()  # a corpus that a command may read (--data)
+    for name in ("a.txt", "b.txt"):
+        (ws / "texts" / name).write_text(f"the document {name}\n" * 30)
+    broken = []  # (a cache file broken on purpose: it may be rebuilt)
     for fault in file_faults:
+        if isinstance(fault, tuple):
+            shutil.copytree(cache, ws / "cache", ignore=shutil.ignore_patterns("jax"), dirs_exist_ok=True)
+            broken += sorted((ws / "cache").glob(fault[1]))
+            _truncate(broken[-1].name, fault[2])(ws / "cache")
+            continue
         try:
             fault(ws / "run")
         except (FileNotFoundError, json.JSONDecodeError, KeyError, AttributeError, TypeError):
@@ -298,13 +361,21 @@ def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_fi
         argv = [a for a in argv] + (["--cache-dir", cache] if "--cache-dir" not in argv else [])
     before = snapshot(ws, cache)
     t0 = time.time()
-    code, _, err = call(script, argv, capsys)
-    assert_refused(code, err, argv)
+    with closed(stream), pytest.raises(SystemExit) as left:
+        runs.exit_with(SCRIPTS[script](argv))
+    out, err = capsys.readouterr()
+    assert left.value.code == 2, (argv, stream, err)
+    if stream != "stderr":
+        assert_refused(2, err, argv)
+    assert "Traceback" not in out + err, (argv, out, err)
     assert time.time() - t0 < 60, argv  # refused before any step was compiled
     after = snapshot(ws, cache)
     changed = [p for p in before if after.get(p) != before[p]]
-    created = [p for p in after if p not in before and not p.startswith(cache)]
-    assert not changed and not created, (argv, changed, created)
+    created = [p for p in after if p not in before and not p.startswith((cache, str(ws / "cache")))]
+    assert not [p for p in changed if p not in map(str, broken)] and not created, (argv, changed, created)
+    for path in broken:  # rebuilt, and said so (on stdout, where it is open)
+        assert "cannot be read" in out or stream == "stdout", (argv, out)
+        assert data.load_tokenizer(str(path)) if path.suffix == ".model" else np.load(path)
     shutil.rmtree(ws)
 
 

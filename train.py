@@ -330,8 +330,8 @@ def train(args, given):
                                                                                           "reset")}))
                 metrics = jax.device_get(new[3])
                 if not metrics["finite"]:  # a non-finite loss, or weights that overflowed in the update
-                    print(f"error: the loss or the weights became non-finite at step {step + 1}; stopped, the last "
-                          f"checkpoint ({ckpt_path}) is kept.", file=sys.stderr)
+                    runs.say(f"error: the loss or the weights became non-finite at step {step + 1}; stopped, the last "
+                             f"checkpoint ({ckpt_path}) is kept.")
                     return 3
                 (params, opt_state, state), step = new[:3], step + 1
                 tokens_since += int(metrics["tokens"])
@@ -343,16 +343,17 @@ def train(args, given):
                     print(format_eval(step, r), flush=True)
                     log.write(json.dumps(eval_record(step, r)) + "\n")
                 if step % args.save_every == 0 or step == config.steps or stop["signal"]:
-                    runs.save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position(), documents)
+                    runs.save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position(), documents,
+                                         data.file_hash(tok_path))
                 if stop["signal"]:
-                    print(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with --out {out} "
-                          f"--resume", file=sys.stderr)
+                    runs.say(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with --out {out} "
+                             f"--resume")
                     return 130
         try:
             result = {"step": step, **full_evaluation(params, config, valid_docs, distances, eval_step)}
         except KeyboardInterrupt:
-            print(f"interrupted during the final evaluation; the checkpoint of step {step} is saved: --out {out} "
-                  f"--resume evaluates it.", file=sys.stderr)
+            runs.say(f"interrupted during the final evaluation; the checkpoint of step {step} is saved: --out {out} "
+                     f"--resume evaluates it.")
             return 130
         with open(os.path.join(out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(eval_record(step, result)) + "\n")
