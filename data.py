@@ -238,7 +238,7 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
 
 def _walk(top, onerror=None):
     """os.walk(top, onerror=onerror), top-down, with a stack of our own: Python 3.11's os.walk
-    recurses once per directory level, and a tree a few thousand levels deep ended in a
+    recurses once per directory level, so a tree a few thousand levels deep would end in a
     RecursionError. Yields (dirpath, dirnames, filenames); dirnames may be edited in place
     (sorted, pruned) to steer the walk, and links to directories are listed, not entered."""
     stack = [top]
@@ -519,7 +519,7 @@ def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
         count = source.partition(":")[2] or "4000"
         if not (count.isdigit() and int(count) > 0):
             raise DataError(f"--data {source!r}: write synthetic or synthetic:N with N a positive integer.")
-        if int(count) > SYNTHETIC_MAX_DOCS:  # (generated in memory, 2 ms and 3 KB of text each: it once ran forever)
+        if int(count) > SYNTHETIC_MAX_DOCS:  # (generated in memory, about 3 KB of text each)
             raise DataError(f"--data {source!r}: synthetic:N makes at most {SYNTHETIC_MAX_DOCS} documents (about "
                             f"3 GB of text, half an hour to generate).")
         docs = synthetic_documents(int(count), seed=seed)
@@ -603,10 +603,9 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
 
 
 def _write_cache(path, write):
-    """write(f) into a file of this call's own beside `path`, renamed over it when whole. Two
-    runs that fill one cache at once (two seeds started together) once shared one temporary
-    name: one wrote into the other's file and the other's rename failed (FileNotFoundError).
-    A cache file needs no fsync: a corrupt one is rebuilt."""
+    """write(f) into a file of this call's own beside `path`, renamed over it when whole: two runs
+    that fill one cache at once (two seeds started together) each write their own. A cache file
+    needs no fsync: a corrupt one is rebuilt."""
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
     try:
         with open(tmp, "xb") as f:
@@ -634,9 +633,8 @@ def load_tokenizer(path):
 def corpus_key(docs):
     """A name for a list of documents: a hash of their ids, texts and parts, that is, of what
     the readers made of the files, not of the files. A touched or copied corpus keeps its key;
-    an edit changes it, and so does a change in what a reader makes of the same files (the
-    readers once read hidden files, and dropped the first line of a JSONL file that opens
-    with a byte order mark). Hashing is fast next to reading: 0.06 s for stdlib's 32 MB."""
+    an edit changes it, and so does a change in what a reader makes of the same files. Hashing
+    is fast next to reading."""
     h = hashlib.sha256(len(docs).to_bytes(8, "little"))
     for d in docs:
         for text in (d.id, d.text, repr(d.parts)):

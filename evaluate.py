@@ -485,7 +485,7 @@ def cmd_reach(args):
     """Sec. 4.4: one model, memories of several sizes, references D tokens back. The probes'
     loss is low where the memory holds the definition, and at chance where it does not."""
     probe_tokens = args.docs * sum(args.distances)  # about: each document is its distance and ~100 tokens more
-    if probe_tokens > REACH_MAX_TOKENS:  # (generated in memory before the first row: it once ran without end)
+    if probe_tokens > REACH_MAX_TOKENS:  # (generated in memory before the first row)
         raise runs.UsageError(f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for about "
                          f"{probe_tokens:,} tokens of probe documents; reach makes at most {REACH_MAX_TOKENS:,} "
                          f"(its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,}).")

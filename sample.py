@@ -96,10 +96,9 @@ class TextStream:
     written (the prompt); a character they leave unfinished is written whole when the
     tokens that finish it come.
 
-    Each token decodes the tokens since the last point where all was written, after
-    `context` tokens before it (decoding the whole text each time took 50 ms a token after a
-    prompt of 385K tokens). The context keeps what a decoder does at the start of a text (a
-    leading space dropped) off the text that is written."""
+    Each token decodes the tokens since the last point where all was written, after `context`
+    tokens before it, not the whole text (which grows with a long prompt). The context keeps what
+    a decoder does at the start of a text (a leading space dropped) off the text that is written."""
 
     def __init__(self, sp, write, before=(), context=16):
         self.sp, self.write, self.context, self.ids = sp, write, context, [int(t) for t in before]

@@ -331,7 +331,7 @@ def closed(stream):
             setattr(sys, stream, saved)
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(probe=probes(), stream=st.sampled_from([None, None, None, "stdout", "stderr"]))
 def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_file(
         tmp_path_factory, finished_run, cache, capsys, probe, stream):

@@ -127,8 +127,7 @@ def test_a_closed_stdout_or_stderr_keeps_the_exit_code_and_prints_no_traceback(t
     flush, and ended with exit code 1. With either stream closed the command ends as it meant to:
     2 for the refusal, 0 for --help."""
     fd = {"stdout": 1, "stderr": 2}[closed]
-    for argv, code in ((["--steps", "0"], 2), (["--out", str(tmp_path / "afile" / "x")], 2), (["--help"], 0)):
-        (tmp_path / "afile").write_text("x")
+    for argv, code in ((["--steps", "0"], 2), (["--help"], 0)):
         proc = subprocess.run(["sh", "-c", f'exec "$0" "$@" {fd}>&-', sys.executable, "train.py"] + argv, cwd=HERE,
                               capture_output=True, text=True, env=child_env(), timeout=120)
         other = proc.stderr if closed == "stdout" else proc.stdout
