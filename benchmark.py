@@ -459,8 +459,9 @@ def peer_table(args, common, sizes):
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # no spinning threads
     skip, _, err = run_child([args.peer, PEER, "--check"], env=env)
     if skip:
-        print(f"peer: skipped, {args.peer} cannot import it ({(err.strip().splitlines() or [f'exit code {skip}'])[-1]}"
-              f"); peer_benchmark.py says what to install.")
+        why = (err.strip().splitlines() or [f"{args.peer} exited with code {skip}"])[-1]
+        print(f"peer: skipped: {why}" + ("" if "README" in why else "; the README's 'Against the PyTorch peer' "
+                                         "shows what to install."))
     ours_runs, theirs_runs = [], []
     for _ in range(args.repeats):
         ours_runs.append([])

@@ -65,7 +65,14 @@ def peer_row(memory_size, steps, batch=8, segment=128, vocab=2048):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--check"]:
+    args = sys.argv[1:]
+    if args != ["--check"] and not (len(args) == 2 and all(a.isdigit() for a in args)):
+        print("usage: PYTHON peer_benchmark.py M STEPS, or PYTHON peer_benchmark.py --check", file=sys.stderr)
+        sys.exit(2)
+    try:
         import torch, faiss, einops, memorizing_transformers_pytorch  # noqa: F401, E401
-    else:
-        print(json.dumps(peer_row(int(sys.argv[1]), int(sys.argv[2]))))
+    except ImportError as e:
+        print(f"{e} in {sys.executable}: the README's 'Against the PyTorch peer' shows what to install.", file=sys.stderr)
+        sys.exit(1)
+    if args != ["--check"]:
+        print(json.dumps(peer_row(int(args[0]), int(args[1]))))

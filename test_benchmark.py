@@ -248,3 +248,15 @@ def test_peer_side_by_side_takes_each_ratio_within_a_repeat_and_gives_the_median
         code = benchmark.main(flags)  # refused before anything runs, and before "peer: skipped"
         out, err = capsys.readouterr()
         assert code == 2 and err.startswith("error: ") and error in err and err.count("\n") == 1 and out == "", err
+
+
+def test_the_peer_script_answers_bad_arguments_and_a_missing_peer_in_one_line():
+    """peer_benchmark.py runs in the peer's Python; here in ours, where torch is not installed."""
+    for args, code, said in (([], 2, "usage: PYTHON peer_benchmark.py M STEPS"), (["8192"], 2, "usage:"),
+                             (["0", "x"], 2, "usage:"), (["--check"], 1, "the README's 'Against the PyTorch peer'")):
+        proc = subprocess.run([sys.executable, "peer_benchmark.py", *args], cwd=HERE, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=""))
+        if code == 1 and proc.returncode == 0:
+            pytest.skip("this Python can import the peer")
+        assert proc.returncode == code and said in proc.stderr and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert proc.stdout == "" and "Traceback" not in proc.stderr
