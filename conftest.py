@@ -35,7 +35,7 @@ jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin
 # each program the in-process tests share is compiled once.
 COMMAND_FIXTURES = {"smoke_run", "three_runs_with_a_cache_dir", "runs_on_cpu_devices", "run_stopped_by_ctrl_c",
                     "run_killed_at_random_points", "toy_benchmark", "train_only_benchmark", "table_of_two_seeds",
-                    "finetune_runs", "interrupted_train_runs", "interrupted_while_jax_starts_a_plugin",
+                    "finetune_runs", "interrupted_train_runs", "multihost_runs", "interrupted_while_jax_starts_a_plugin",
                     "peer_benchmark_stopped"}
 
 

@@ -32,7 +32,8 @@ RUN_DATA_ARGS = ("data", "data_format", "eval_docs", "eval_tokens", "valid_fract
 # What config.json must hold under "args" to be resumed or evaluated, and the type of each.
 RUN_ARGS = {"data": str, "data_format": str, "valid_fraction": float, "eval_docs": int, "eval_tokens": int}
 # What --resume may change: how far the run goes, and how often it logs, evaluates and saves.
-RESUME_MAY_CHANGE = ("steps", "out", "resume", "log_every", "eval_every", "save_every", "cache_dir")
+RESUME_MAY_CHANGE = ("steps", "out", "resume", "log_every", "eval_every", "save_every", "cache_dir", "coordinator",
+                     "num_processes", "process_id", "coordinator_timeout")
 # The config fields that shape the parameters, memory aside: a fine-tuned run keeps its source's.
 MODEL_SHAPE = ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "d_ff", "num_buckets")
 
@@ -320,7 +321,7 @@ def check_fits(config, batch_size):
     state = jax.eval_shape(lambda: mt.init_state(config, batch_size))
     scores = batch_size * config.num_heads * config.segment_length * (config.segment_length + config.cache_length) * 4
     need = 3 * nbytes(params) + nbytes(state) + 2 * scores  # Adafactor's statistics are at most the params' size
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     have = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         raise UsageError(f"this config (memory size {config.memory_size}, batch {batch_size}) needs at least "
@@ -513,6 +514,21 @@ def path_arg(text):
     return text
 
 
+def host_port(text):
+    """HOST:PORT, the port a number from 1 to 65535 (an IPv6 host in brackets: [::1]:8476)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"takes HOST:PORT with a port from 1 to 65535, got {text!r}")
+    return text
+
+
+def positive_seconds(text):
+    value = finite_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text}")
+    return value
+
+
 def memory_layers(text):
     """--memory-layers "1,3" -> (1, 3)."""
     try:
@@ -601,6 +617,18 @@ def train_parser():
                    "token cache (keyed on the corpus, the vocabulary size and the validation split), and in its jax/ "
                    "folder the compiled programs, which a later run with the same config loads instead of compiling "
                    "(--resume: the run's, if it still exists)")
+    several = p.add_argument_group("several processes (one per host; README)", "each process runs the same command "
+                                   "but its --process-id; under SLURM or Open MPI the launcher's variables stand in "
+                                   "for these flags, and JAX_COORDINATOR_ADDRESS for --coordinator. --out and "
+                                   "--cache-dir must be on a file system that every process sees")
+    several.add_argument("--coordinator", type=host_port, metavar="HOST:PORT", help="process 0's host and a free "
+                         "port, the same for every process")
+    several.add_argument("--num-processes", type=positive_int, help="processes in the run")
+    several.add_argument("--process-id", type=count, help="this process's id, 0 to --num-processes - 1; process 0 "
+                         "serves the coordinator and writes the run's files")
+    several.add_argument("--coordinator-timeout", type=positive_seconds, default=60.0, help="seconds to wait for "
+                         "the coordinator and the other processes; a process that stops answering ends the others "
+                         "after as long")
     return p
 
 
@@ -740,7 +768,9 @@ def run_config(args, given):
     check_writable_dir(out, "--out")
     check_writable_dir(args.cache_dir, "--cache-dir")
     if config.batch_size % (jax.device_count() * config.grad_accum):
-        raise UsageError(f"batch_size {config.batch_size} must be divisible by {jax.device_count()} devices x "
+        devices = f"{jax.device_count()} devices" + (f" ({jax.process_count()} processes x {jax.local_device_count()})"
+                                                     if jax.process_count() > 1 else "")
+        raise UsageError(f"batch_size {config.batch_size} must be divisible by {devices} x "
                          f"grad_accum {config.grad_accum}.")
     check_fits(config, config.batch_size)
     return out, config, tokenizer

@@ -4,6 +4,7 @@
   python train.py --preset small --data PATH       # one GPU
   python train.py --out runs/a --resume            # continue an interrupted run exactly
   python train.py --init-from runs/a --memory-size 2048 --steps 200   # fine-tune to a larger memory (Sec. 4.4)
+  python train.py --out runs/b --coordinator HOST:PORT --num-processes 2 --process-id 0   # one of 2 processes (README)
 
 A run writes config.json, metrics.jsonl (one JSON object per logged step and per evaluation),
 eval.json, tokenizer.model and checkpoint.npz to --out; runs.py does the files, flags and signals.
@@ -16,6 +17,7 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is wr
     signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -29,6 +31,7 @@ import numpy as np
 import data
 import kernels
 import memorizing_transformer as mt
+import multihost
 import runs
 
 
@@ -260,14 +263,13 @@ def initial_state(config, args, out, stream, documents):
 
 
 def distribute(params, opt_state, state):
-    """With several devices, data parallelism: batch rows (and their memories) sharded, params
-    replicated. Returns the three, and how to place a batch."""
+    """With several devices (of one process or of several), data parallelism: the batch's rows and
+    their memories split over the devices, the params replicated. Returns the three, and how to
+    place a batch."""
     if jax.device_count() == 1:
         return params, opt_state, state, lambda batch: batch
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    shard = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
-    return shard(params, P()), shard(opt_state, P()), shard(state, P("data")), lambda batch: shard(batch, P("data"))
+    place = multihost.place
+    return place(params, False), place(opt_state, False), place(state, True), lambda batch: place(batch, True)
 
 
 def log_step(log, step, metrics, config, tokens_per_s):
@@ -284,56 +286,81 @@ def log_step(log, step, metrics, config, tokens_per_s):
 
 
 def train(args, given):
+    """Join the run's other processes, if any (multihost.py), train, and leave together."""
+    multihost.start(args)
+    try:
+        with contextlib.ExitStack() as quiet:
+            if not multihost.is_main():  # process 0 prints the run's lines
+                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+            return train_run(args, given)
+    finally:
+        multihost.stop()
+
+
+def train_run(args, given):
     """Check everything (flags, run directory, data, checkpoints, memory) before the first write, then
     train to config.steps, saving every --save-every steps and on Ctrl-C, then evaluate. given: the
-    flags argv gave."""
-    t_start = time.time()
+    flags argv gave. With several processes each check is agreed (one refusal stops them all), and
+    only process 0 writes."""
+    t_start, main, agree = time.time(), multihost.is_main(), multihost.agree
     with contextlib.ExitStack() as held:  # the run directory's lock
-        out, config, tokenizer = runs.run_config(args, given)
-        locked = runs.lock_run_dir(out, held)  # before the checkpoint is read: a resume elsewhere may write it
-        train_docs, valid_docs, distances, tok_path, documents = data.prepare(args, config.vocab_size, tokenizer)
-        runs.use_compilation_cache(args.cache_dir)  # before the first compile
+        out, config, tokenizer = agree(lambda: runs.run_config(args, given))
+        locked = agree(lambda: main and runs.lock_run_dir(out, held))  # before the checkpoint is read
+
+        def prepare():
+            runs.use_compilation_cache(args.cache_dir)  # before the first compile
+            return data.prepare(args, config.vocab_size, tokenizer)
+        prepared = agree(lambda: prepare() if main else None)  # process 0 first: it fills the caches
+        train_docs, valid_docs, distances, tok_path, documents = agree(lambda: prepared or prepare())
         stream = data.segment_batches(train_docs, config.batch_size, config.segment_length, config.seed)
-        params, opt_state, state, step = initial_state(config, args, out, stream, documents)
+        params, opt_state, state, step = agree(lambda: initial_state(config, args, out, stream, documents))
+        multihost.check_same(json.dumps([out, dataclasses.asdict(config), documents, data.file_hash(tok_path), step,
+                                         {k: v for k, v in vars(args).items() if k not in runs.RESUME_MAY_CHANGE}]))
         if args.init_from and step:  # fine-tuning: --steps more steps after the checkpoint's
             config = config.replace(steps=step + config.steps)
         if args.resume and step == config.steps and runs.finished(out, step):
             print(f"{out} finished at step {step} (eval.json): nothing to do; give --steps to train further.")
             return 0
-        if not locked:  # a new directory: made and locked now, and still without a run in it
-            os.makedirs(out, exist_ok=True)
-            runs.lock_run_dir(out, held)
-        if not args.resume and runs.holds_run(out):
-            raise runs.UsageError(f"{out} already holds a run, which another train.py started meanwhile; choose "
-                                  f"another --out.")
-        runs.drop_partial_files(out)
-        runs.write_run_files(out, args, config, tok_path, step)
+
+        def claim():  # a new directory: made and locked now, and still without a run in it
+            if not locked:
+                os.makedirs(out, exist_ok=True)
+                runs.lock_run_dir(out, held)
+            if not args.resume and runs.holds_run(out):
+                raise runs.UsageError(f"{out} already holds a run, which another train.py started meanwhile; "
+                                      f"choose another --out.")
+            runs.drop_partial_files(out)
+            runs.write_run_files(out, args, config, tok_path, step)
+        agree(lambda: claim() if main else None)
 
         ckpt_path = os.path.join(out, "checkpoint.npz")
         params, opt_state, state, place = distribute(params, opt_state, state)
         train_step, eval_step = make_train_step(step_config(config)), make_eval_step(step_config(config))
+        processes = f" in {jax.process_count()} processes" if multihost.several() else ""
         print(f"run {out}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params, "
               f"{sum(map(len, train_docs)) / 1e6:.2f}M train tokens, {len(train_docs)} train / {len(valid_docs)} "
-              f"valid documents, device {jax.devices()[0].platform} x{jax.device_count()}, memory "
+              f"valid documents, device {jax.devices()[0].platform} x{jax.device_count()}{processes}, memory "
               f"{config.memory_size} in layers {list(config.active_memory_layers)}", flush=True)
         pieces = data.load_tokenizer(tok_path).get_piece_size()
         if pieces < config.vocab_size:  # SentencePiece stops early when the corpus has no more merges to learn
             print(f"note: the tokenizer has {pieces} pieces, fewer than the vocabulary size {config.vocab_size}: "
                   f"{config.vocab_size - pieces} rows of the embedding and of the output layer will never be used "
                   f"(--vocab-size {pieces} trains without them).", flush=True)
-        with runs.interrupt_flag() as stop, open(os.path.join(out, "metrics.jsonl"), "a") as log:
+        metrics_path = os.path.join(out, "metrics.jsonl") if main else os.devnull
+        with runs.interrupt_flag() as stop, open(metrics_path, "a") as log:
             t_log, tokens_since = time.time(), 0
             while step < config.steps:
                 batch = next(stream)
                 mt.check_tokens(batch["tokens"], config.vocab_size)
                 new = train_step(params, opt_state, state, place({k: batch[k] for k in ("tokens", "targets", "mask",
                                                                                           "reset")}))
-                metrics = jax.device_get(new[3])
+                metrics = multihost.gather(new[3])
                 if not metrics["finite"]:  # a non-finite loss, or weights that overflowed in the update
                     runs.say(f"error: the loss or the weights became non-finite at step {step + 1}; stopped, the last "
                              f"checkpoint ({ckpt_path}) is kept.")
                     return 3
                 (params, opt_state, state), step = new[:3], step + 1
+                stopping = multihost.any_of(stop["signal"])  # a Ctrl-C on one process stops them all here
                 tokens_since += int(metrics["tokens"])
                 if step % args.log_every == 0 or step == config.steps:
                     log_step(log, step, metrics, config, tokens_since / (time.time() - t_log))
@@ -342,10 +369,12 @@ def train(args, given):
                     r = full_evaluation(params, config, valid_docs, distances, eval_step)
                     print(format_eval(step, r), flush=True)
                     log.write(json.dumps(eval_record(step, r)) + "\n")
-                if step % args.save_every == 0 or step == config.steps or stop["signal"]:
-                    runs.save_checkpoint(ckpt_path, step, params, opt_state, state, stream.position(), documents,
-                                         data.file_hash(tok_path))
-                if stop["signal"]:
+                if step % args.save_every == 0 or step == config.steps or stopping:
+                    whole = multihost.gather((params, opt_state, state))  # every row, from every process
+                    if main:
+                        runs.save_checkpoint(ckpt_path, step, *whole, stream.position(), documents,
+                                             data.file_hash(tok_path))
+                if stopping:
                     runs.say(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with --out {out} "
                              f"--resume")
                     return 130
@@ -355,9 +384,10 @@ def train(args, given):
             runs.say(f"interrupted during the final evaluation; the checkpoint of step {step} is saved: --out {out} "
                      f"--resume evaluates it.")
             return 130
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(eval_record(step, result)) + "\n")
-        runs.atomic_write(os.path.join(out, "eval.json"), runs.json_text(result))
+        if main:
+            with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(eval_record(step, result)) + "\n")
+            runs.atomic_write(os.path.join(out, "eval.json"), runs.json_text(result))
         print(f"{format_eval(step, result)} | {result['tokens']} tokens | {time.time() - t_start:.0f} s total | "
               f"{out}/eval.json", flush=True)
         return 0

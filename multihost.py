@@ -1,0 +1,195 @@
+"""Several processes, one run: data parallelism past one machine, on JAX's own multi-process runtime.
+
+Every process runs train.py with the same flags but its --process-id (one process per host, each
+with its local devices). jax.distributed connects them; the devices of all processes form one
+mesh, in the order (process, device), and the global batch's rows are split over it in that
+order, so process p holds the rows [p B/P, (p+1) B/P) and their memories. Every process reads the
+same data stream and places only its own rows; the parameters are replicated. The global batch,
+and so the run, is the same whatever the number of processes. Process 0 writes the run's files.
+"""
+import hashlib
+import io
+import os
+import socket
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import data
+import runs
+
+# What a launcher sets in each process it starts (a variable only its tasks have, their count, this
+# one's rank), read where no flag is given; JAX finds SLURM's and Open MPI's coordinator itself.
+LAUNCHERS = (("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID"),
+             ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"))
+
+
+def settings(args):
+    """(coordinator or None, number of processes, process id, whether a launcher gave them) from the
+    flags, else from the environment: JAX_COORDINATOR_ADDRESS, and a launcher's task count and rank."""
+    coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    n, pid = args.num_processes, args.process_id
+    for present, count, rank in LAUNCHERS:
+        if n is None and pid is None and present in os.environ and os.environ.get(count, "").isdigit() and \
+                os.environ.get(rank, "").isdigit():
+            return coordinator, int(os.environ[count]), int(os.environ[rank]), True
+    return coordinator, n, pid, False
+
+
+def start(args):
+    """Join the run's other processes, before JAX starts its backend. Alone (no flag, no launcher)
+    nothing happens. Refused in one sentence: flags missing, a process id out of range, a coordinator
+    that cannot be reached within --coordinator-timeout, or its port taken on process 0's host."""
+    coordinator, n, pid, launched = settings(args)
+    if (n or 1) == 1 and pid in (None, 0) and not args.coordinator:
+        return
+    if n is None or pid is None:
+        raise runs.UsageError("several processes need --num-processes and --process-id, both (or a launcher's "
+                              "SLURM_NTASKS and SLURM_PROCID).")
+    if coordinator is None and not launched:
+        raise runs.UsageError("several processes need --coordinator HOST:PORT, process 0's host and a free port, "
+                              "the same for every process.")
+    if pid >= n:
+        raise runs.UsageError(f"--process-id {pid} is out of range for --num-processes {n}: the ids are 0 to {n - 1}.")
+    timeout = args.coordinator_timeout
+    if coordinator and pid == 0:
+        check_port_free(coordinator)
+    elif coordinator:
+        wait_for(coordinator, timeout)
+    native_output_to_stderr()
+    # Where the others do not all join within the timeout, or one stops answering later, JAX's
+    # runtime ends this process itself, with its own message.
+    jax.distributed.initialize(coordinator, n, pid, initialization_timeout=int(timeout),
+                               heartbeat_timeout_seconds=int(timeout), shutdown_timeout_seconds=int(timeout))
+
+
+def native_output_to_stderr():
+    """Gloo, the CPU collectives, prints its connections on the C library's stdout: send what native
+    code prints to stderr, and keep stdout for the run's own lines."""
+    sys.stdout.flush()
+    own = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = io.TextIOWrapper(os.fdopen(own, "wb"), encoding=sys.stdout.encoding, errors=sys.stdout.errors,
+                                  line_buffering=True)
+
+
+def _address(coordinator):
+    host, _, port = coordinator.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_port_free(coordinator):
+    """Process 0 serves the coordinator: its port must be free on this host."""
+    _, port = _address(coordinator)
+    try:
+        with socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True) \
+                if socket.has_dualstack_ipv6() else socket.create_server(("", port)):
+            pass
+    except OSError:
+        raise runs.UsageError(f"the coordinator's port {port} is in use on this host: choose another port in "
+                              f"--coordinator, the same for every process.") from None
+
+
+def wait_for(coordinator, timeout):
+    """Wait until the coordinator accepts connections: process 0 may start after the others."""
+    host, port = _address(coordinator)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(2.0, end - time.monotonic()))).close()
+            return
+        except OSError:
+            if time.monotonic() >= end:
+                raise runs.UsageError(f"cannot reach the coordinator {coordinator} within {timeout:g} s "
+                                      f"(--coordinator-timeout): start process 0 there, or check the host and "
+                                      f"port.") from None
+            time.sleep(0.2)
+
+
+def several():
+    return jax.process_count() > 1
+
+
+def is_main():
+    return jax.process_index() == 0
+
+
+def mesh():
+    """Every process's devices, process 0's first: the rows of the batch go to them in this order."""
+    return Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("data",))
+
+
+def place(tree, rows):
+    """Global arrays from host values that every process holds whole: split by rows (batch-leading)
+    over the mesh, or replicated. Each process places only what its own devices hold."""
+    sharding = NamedSharding(mesh(), P("data") if rows else P())
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.tree.map(one, tree)
+
+
+def gather(tree):
+    """Host (numpy) values of global arrays, whole, on every process; a collective where rows lie
+    on other processes, so every process calls it at the same point."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(one, tree)
+
+
+def _texts(text):
+    """Every process's text, gathered (utf-8, at most 4096 bytes)."""
+    raw = text.encode()[:4096]
+    buffer = np.zeros(4098, np.uint8)
+    buffer[:2], buffer[2:2 + len(raw)] = divmod(len(raw), 256), np.frombuffer(raw, np.uint8)
+    return [bytes(b[2:2 + 256 * int(b[0]) + int(b[1])]).decode(errors="replace")
+            for b in np.asarray(multihost_utils.process_allgather(buffer))]
+
+
+def agree(fn):
+    """fn() on every process; where any process refuses (bad input), every process refuses, with the
+    first refusal's sentence, instead of waiting for the one that left."""
+    if not several():
+        return fn()
+    try:
+        result, error = fn(), None
+    except (runs.UsageError, data.DataError, OSError) as e:
+        result, error = None, e
+    said = _texts("" if error is None else str(error) or type(error).__name__)
+    if error is not None:
+        raise error
+    for i, text in enumerate(said):
+        if text:
+            raise runs.UsageError(f"process {i}: {text.removeprefix('error: ')}")
+    return result
+
+
+def check_same(what):
+    """Refuse where the processes differ in `what`, a text of their flags and data: they would train
+    different runs."""
+    if several():
+        texts = _texts(hashlib.sha256(what.encode()).hexdigest())
+        other = next((i for i, t in enumerate(texts) if t != texts[0]), None)
+        if other is not None:
+            raise runs.UsageError(f"process {other} has other flags or data than process 0: start every process "
+                                  f"with the same flags but --process-id, on the same corpus.")
+
+
+def any_of(flag):
+    """Whether `flag` holds on any process (a Ctrl-C that reached only one of them)."""
+    if not several():
+        return bool(flag)
+    return bool(np.asarray(multihost_utils.process_allgather(np.array(bool(flag)))).any())
+
+
+def stop():
+    """Leave the run together: the coordinator (process 0) waits for the others before it goes."""
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
