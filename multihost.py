@@ -22,10 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import data
 import runs
 
-# What a launcher sets in each process it starts (a variable only its tasks have, their count, this
-# one's rank), read where no flag is given; JAX finds SLURM's and Open MPI's coordinator itself.
-LAUNCHERS = (("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID"),
-             ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"))
+# What SLURM's srun sets in each task (a variable only its tasks have, their count, this one's rank),
+# read where no flag is given; JAX finds the coordinator from the job's nodes and id itself.
+LAUNCHERS = (("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID"),)
 
 
 def settings(args):
@@ -45,16 +44,19 @@ def start(args):
     nothing happens. Refused in one sentence: flags missing, a process id out of range, a coordinator
     that cannot be reached within --coordinator-timeout, or its port taken on process 0's host."""
     coordinator, n, pid, launched = settings(args)
-    if (n or 1) == 1 and pid in (None, 0) and not args.coordinator:
+    if args.coordinator is None and n is None and pid is None:
         return
     if n is None or pid is None:
         raise runs.UsageError("several processes need --num-processes and --process-id, both (or a launcher's "
                               "SLURM_NTASKS and SLURM_PROCID).")
+    if pid >= n:
+        raise runs.UsageError(f"--process-id {pid} is out of range for --num-processes {n}: the ids are 0 to {n - 1}.")
+    args.num_processes, args.process_id = n, pid  # (config.json records them: process 0's)
+    if n == 1:
+        return
     if coordinator is None and not launched:
         raise runs.UsageError("several processes need --coordinator HOST:PORT, process 0's host and a free port, "
                               "the same for every process.")
-    if pid >= n:
-        raise runs.UsageError(f"--process-id {pid} is out of range for --num-processes {n}: the ids are 0 to {n - 1}.")
     timeout = args.coordinator_timeout
     if coordinator and pid == 0:
         check_port_free(coordinator)

@@ -618,8 +618,8 @@ def train_parser():
                    "folder the compiled programs, which a later run with the same config loads instead of compiling "
                    "(--resume: the run's, if it still exists)")
     several = p.add_argument_group("several processes (one per host; README)", "each process runs the same command "
-                                   "but its --process-id; under SLURM or Open MPI the launcher's variables stand in "
-                                   "for these flags, and JAX_COORDINATOR_ADDRESS for --coordinator. --out and "
+                                   "but its --process-id; started by SLURM's srun, its variables stand in for these "
+                                   "flags, and JAX_COORDINATOR_ADDRESS for --coordinator. --out and "
                                    "--cache-dir must be on a file system that every process sees")
     several.add_argument("--coordinator", type=host_port, metavar="HOST:PORT", help="process 0's host and a free "
                          "port, the same for every process")

@@ -21,10 +21,15 @@ STEPS = 6
 TIMEOUT = 10  # --coordinator-timeout: a process that stops answering ends the others after as long
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+def free_port(low=None):
+    """A port free on localhost (at least `low`)."""
+    for port in [0] if low is None else np.random.default_rng().permutation(np.arange(low, 65536)):
+        with socket.socket() as s:
+            try:
+                s.bind(("localhost", int(port)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
 
 
 def env(devices):
@@ -33,14 +38,17 @@ def env(devices):
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
 
 
-def start(argv, processes=2, devices=2, timeout=TIMEOUT, only=None):
+def start(argv, processes=2, devices=2, timeout=TIMEOUT, only=None, slurm=False):
     """train.py in `processes` processes (process 1 first: it waits for the coordinator); `only`:
-    {process id: flags that process alone adds}."""
-    port = free_port()
+    {process id: flags that process alone adds}; slurm: the processes learn their count and ids
+    from the variables `srun` sets, and JAX its coordinator (on the port that the job id names)."""
+    port = free_port(65536 - 4096 if slurm else None)
     several = lambda i: (["--coordinator", f"localhost:{port}", "--num-processes", str(processes), "--process-id",
-                          str(i), "--coordinator-timeout", str(timeout)] if processes > 1 else [])
-    return [subprocess.Popen([sys.executable, "train.py"] + argv + several(i) + (only or {}).get(i, []), cwd=HERE, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(devices))
+                          str(i)] if processes > 1 and not slurm else []) + ["--coordinator-timeout", str(timeout)]
+    launcher = lambda i: dict(SLURM_JOB_ID=str(port - (65536 - 4096)), SLURM_STEP_NODELIST="localhost",
+                              SLURM_NTASKS=str(processes), SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) if slurm else {}
+    return [subprocess.Popen([sys.executable, "train.py"] + argv + several(i) + (only or {}).get(i, []), cwd=HERE,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(devices) | launcher(i))
             for i in reversed(range(processes))][::-1]
 
 
@@ -56,13 +64,13 @@ def arrays(run):
 
 @pytest.fixture(scope="session")
 def multihost_runs(tmp_path_factory, cache):
-    """FAST for STEPS steps: in one process of 4 devices; in 2 processes of 2 devices; and in 2 x 2
-    where process 1 is killed once a checkpoint is saved, then resumed in 2 x 2. Each run's
-    directory and what its processes printed."""
+    """FAST for STEPS steps: in one process of 4 devices; in 2 processes of 2 devices, started as
+    SLURM starts them; and in 2 x 2 with the flags, where process 1 is killed once a checkpoint is
+    saved, then resumed in 2 x 2. Each run's directory and what its processes printed."""
     tmp = tmp_path_factory.mktemp("multihost")
     argv = lambda name: FAST + ["--steps", str(STEPS), "--save-every", "1", "--eval-every", "0", "--out",
                                 str(tmp / name), "--cache-dir", cache]
-    one, two = start(argv("one"), processes=1, devices=4), start(argv("two"))
+    one, two = start(argv("one"), processes=1, devices=4), start(argv("two"), slurm=True)
     done = {"one": finish(one), "two": finish(two)}
     killed = start(argv("killed"))  # (every program is compiled, and cached, before its first checkpoint)
     while not os.path.exists(tmp / "killed" / "checkpoint.npz") and killed[0].poll() is None:
@@ -148,9 +156,9 @@ def refusal(result):
 
 def test_bad_input_of_several_processes_is_refused_in_one_sentence_before_anything_is_written(tmp_path, cache):
     """An unreachable coordinator (within --coordinator-timeout, named), a process id out of range,
-    a taken port, no coordinator, a batch that does not divide over 2 processes x 2 devices, and a
-    refusal of one process alone, which the other gives too, rather than wait: exit 2, one
-    sentence, and no run directory."""
+    a taken port, a coordinator or a count left out, a batch that does not divide over 2 processes
+    x 2 devices, and a refusal of one process alone, which the other gives too rather than wait:
+    exit 2, one sentence, and no run directory."""
     out, port = tmp_path / "run", free_port()
     argv = FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]
     t = time.time()
@@ -161,13 +169,15 @@ def test_bad_input_of_several_processes_is_refused_in_one_sentence_before_anythi
                         "--coordinator-timeout", "2"),
                   alone("--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "2"),
                   alone("--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"),
-                  alone("--num-processes", "2", "--process-id", "1")]
-        unreachable, out_of_range, taken, no_coordinator = finish(probes)
+                  alone("--num-processes", "2", "--process-id", "1"),
+                  alone("--process-id", "0")]
+        unreachable, out_of_range, taken, no_coordinator, no_count = finish(probes)
     assert re.fullmatch(r"error: cannot reach the coordinator localhost:\d+ within 2 s \(--coordinator-timeout\)"
                         r".*\.", refusal(unreachable)) and time.time() - t < 30
     assert refusal(out_of_range) == "error: --process-id 2 is out of range for --num-processes 2: the ids are 0 to 1."
     assert f"port {port} is in use" in refusal(taken)
     assert "several processes need --coordinator HOST:PORT" in refusal(no_coordinator)
+    assert "several processes need --num-processes and --process-id, both" in refusal(no_count)
     (tmp_path / "afile").write_text("a file where a directory should be")
     odd = start(argv[:argv.index("--batch-size")] + ["--batch-size", "6"] + argv[argv.index("--batch-size") + 2:])
     one_sided = start(argv, only={1: ["--cache-dir", str(tmp_path / "afile")]})  # refused by process 1 alone
@@ -177,3 +187,17 @@ def test_bad_input_of_several_processes_is_refused_in_one_sentence_before_anythi
     assert refusal(said[1]).startswith(f"error: cannot write to --cache-dir {tmp_path / 'afile'}") and \
         refusal(said[0]) == "error: process 1: " + refusal(said[1]).removeprefix("error: "), said
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator", "nohost"], "argument --coordinator: takes HOST:PORT with a port from 1 to 65535, got 'nohost'"),
+    (["--coordinator", "localhost:0"], "argument --coordinator: takes HOST:PORT"),
+    (["--num-processes", "0"], "argument --num-processes: must be positive, got 0"),
+    (["--process-id", "-1"], "argument --process-id: must not be negative, got -1"),
+    (["--coordinator-timeout", "0.5"], "argument --coordinator-timeout: must be at least 1 second, got 0.5"),
+])
+def test_bad_flags_of_several_processes_get_one_sentence(tmp_path, flags, message, capsys):
+    import train
+    assert train.main(FAST + ["--out", str(tmp_path / "run")] + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "run").exists(), err
