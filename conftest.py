@@ -39,6 +39,7 @@ COMMAND_FIXTURES = {"smoke_run", "three_runs_with_a_cache_dir", "runs_on_cpu_dev
                     "peer_benchmark_stopped"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
         commands = COMMAND_FIXTURES & set(item.fixturenames)
