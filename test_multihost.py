@@ -201,3 +201,35 @@ def test_bad_flags_of_several_processes_get_one_sentence(tmp_path, flags, messag
     assert train.main(FAST + ["--out", str(tmp_path / "run")] + flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not (tmp_path / "run").exists(), err
+
+
+STEP_COLLECTIVES = """
+import json, re, sys
+import jax, numpy as np
+import memorizing_transformer as mt, train
+config = mt.PRESETS["tiny"].replace(num_layers=2, memory_layers=(1,), segment_length=32, memory_size=192, batch_size=8,
+                                    vocab_size=512, grad_accum=int(sys.argv[1]))
+params = mt.init_params(config, jax.random.PRNGKey(0))
+params, opt_state, state, place = train.distribute(params, train.make_optimizer(config)[0](params),
+                                                   mt.init_state(config, config.batch_size))
+B, T = config.batch_size, config.segment_length
+batch = place(dict(tokens=np.zeros((B, T), np.int32), targets=np.zeros((B, T), np.int32), mask=np.ones((B, T), bool),
+                   reset=np.zeros(B, bool)))
+text = train.make_train_step(train.step_config(config)).lower(params, opt_state, state, batch).compile().as_text()
+ops = "all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce"
+print(json.dumps(re.findall(r"= (.*?) (?:" + ops + r")(?:-start)?\\(", text)))
+"""
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_no_memory_leaves_its_device_in_a_step_on_4_devices(grad_accum):
+    """Each row's memory (M = 192 slots here) and XL cache stay on the device that holds the row, with
+    micro-batches too: no collective of the compiled step on 4 devices moves a buffer of memory
+    slots or of a segment's keys. (Micro-batches once took contiguous rows, and gathered every
+    memory to every device.)"""
+    proc = subprocess.run([sys.executable, "-c", STEP_COLLECTIVES, str(grad_accum)], cwd=HERE, capture_output=True,
+                          text=True, env=env(4), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    shapes = json.loads(proc.stdout)
+    assert shapes and any("512,128" in s for s in shapes), shapes  # the gradients are summed: the op is found
+    assert not [s for s in shapes if re.search(r"\b192\b|,32,32\]", s)], shapes

@@ -150,7 +150,11 @@ def make_train_step(config, ops=kernels.FAST):
         if A == 1:
             (total, (state, n)), grads = grad_fn(params, state, batch)
         else:
-            split = lambda x: x.reshape((A, x.shape[0] // A) + x.shape[1:])  # [B, ...] -> [A, B/A, ...]
+            # Micro-batch a takes the a-th A-th of every device's rows, so that no row, and no memory,
+            # leaves its device: [B, ...] -> [D, A, B/(D A), ...] -> [A, B/A, ...] (on one device, a reshape).
+            D = jax.device_count()
+            split = lambda x: x.reshape((D, A, -1) + x.shape[1:]).swapaxes(0, 1).reshape((A, -1) + x.shape[1:])
+            merge = lambda x: x.reshape((A, D, -1) + x.shape[2:]).swapaxes(0, 1).reshape((-1,) + x.shape[2:])
 
             def micro(acc, xs):
                 (l, (s, n)), g = grad_fn(params, xs[0], xs[1])
@@ -158,7 +162,7 @@ def make_train_step(config, ops=kernels.FAST):
 
             zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
             (total, n, grads), states = jax.lax.scan(micro, zeros, (jax.tree.map(split, state), jax.tree.map(split, batch)))
-            state = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), states)
+            state = jax.tree.map(merge, states)
         n = jnp.maximum(n, 1.0)
         updates, opt_state = opt_update(jax.tree.map(lambda g: g / n, grads), opt_state, params)
         params = jax.tree.map(jnp.add, params, updates)
