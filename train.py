@@ -152,9 +152,10 @@ def make_train_step(config, ops=kernels.FAST):
         else:
             # Micro-batch a takes the a-th A-th of every device's rows, so that no row, and no memory,
             # leaves its device: [B, ...] -> [D, A, B/(D A), ...] -> [A, B/A, ...] (on one device, a reshape).
-            D = jax.device_count()
-            split = lambda x: x.reshape((D, A, -1) + x.shape[1:]).swapaxes(0, 1).reshape((A, -1) + x.shape[1:])
-            merge = lambda x: x.reshape((A, D, -1) + x.shape[2:]).swapaxes(0, 1).reshape((-1,) + x.shape[2:])
+            B, D = config.batch_size, jax.device_count()  # (sizes written out: a state of length 0 has no -1)
+            split = lambda x: x.reshape((D, A, B // (D * A)) + x.shape[1:]).swapaxes(0, 1).reshape(
+                (A, B // A) + x.shape[1:])
+            merge = lambda x: x.reshape((A, D, B // (D * A)) + x.shape[2:]).swapaxes(0, 1).reshape((B,) + x.shape[2:])
 
             def micro(acc, xs):
                 (l, (s, n)), g = grad_fn(params, xs[0], xs[1])
