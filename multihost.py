@@ -41,8 +41,9 @@ def settings(args):
 
 def start(args):
     """Join the run's other processes, before JAX starts its backend. Alone (no flag, no launcher)
-    nothing happens. Refused in one sentence: flags missing, a process id out of range, a coordinator
-    that cannot be reached within --coordinator-timeout, or its port taken on process 0's host."""
+    nothing happens. Refused in one sentence: flags or --out missing, a process id out of range, a
+    coordinator that cannot be reached within --coordinator-timeout, or its port taken on process 0's
+    host."""
     coordinator, n, pid, launched = settings(args)
     if args.coordinator is None and n is None and pid is None:
         return
@@ -57,6 +58,8 @@ def start(args):
     if coordinator is None and not launched:
         raise runs.UsageError("several processes need --coordinator HOST:PORT, process 0's host and a free port, "
                               "the same for every process.")
+    if args.out is None:  # (each process would name its own runs/<time>)
+        raise runs.UsageError("several processes train one run: give --out, the same directory for every process.")
     timeout = args.coordinator_timeout
     if coordinator and pid == 0:
         check_port_free(coordinator)

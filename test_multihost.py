@@ -156,7 +156,7 @@ def refusal(result):
 
 def test_bad_input_of_several_processes_is_refused_in_one_sentence_before_anything_is_written(tmp_path, cache):
     """An unreachable coordinator (within --coordinator-timeout, named), a process id out of range,
-    a taken port, a coordinator or a count left out, a batch that does not divide over 2 processes
+    a taken port, a coordinator, a count or --out left out, a batch that does not divide over 2 processes
     x 2 devices, and a refusal of one process alone, which the other gives too rather than wait:
     exit 2, one sentence, and no run directory."""
     out, port = tmp_path / "run", free_port()
@@ -171,13 +171,18 @@ def test_bad_input_of_several_processes_is_refused_in_one_sentence_before_anythi
                   alone("--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"),
                   alone("--num-processes", "2", "--process-id", "1"),
                   alone("--process-id", "0")]
-        unreachable, out_of_range, taken, no_coordinator, no_count = finish(probes)
+        no_out = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py")] + FAST + [  # in an empty folder
+            "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "1"], cwd=tmp_path, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(2))
+        unreachable, out_of_range, taken, no_coordinator, no_count, no_out = finish(probes + [no_out])
     assert re.fullmatch(r"error: cannot reach the coordinator localhost:\d+ within 2 s \(--coordinator-timeout\)"
                         r".*\.", refusal(unreachable)) and time.time() - t < 30
     assert refusal(out_of_range) == "error: --process-id 2 is out of range for --num-processes 2: the ids are 0 to 1."
     assert f"port {port} is in use" in refusal(taken)
     assert "several processes need --coordinator HOST:PORT" in refusal(no_coordinator)
     assert "several processes need --num-processes and --process-id, both" in refusal(no_count)
+    assert refusal(no_out) == "error: several processes train one run: give --out, the same directory for every " \
+                              "process." and os.listdir(tmp_path) == []  # (no runs/ folder, no .cache)
     (tmp_path / "afile").write_text("a file where a directory should be")
     odd = start(argv[:argv.index("--batch-size")] + ["--batch-size", "6"] + argv[argv.index("--batch-size") + 2:])
     one_sided = start(argv, only={1: ["--cache-dir", str(tmp_path / "afile")]})  # refused by process 1 alone
