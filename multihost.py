@@ -65,6 +65,9 @@ def start(args):
         check_port_free(coordinator)
     elif coordinator:
         wait_for(coordinator, timeout)
+    if coordinator and {"http_proxy", "https_proxy", "grpc_proxy"} & {k.lower() for k in os.environ}:
+        host = _address(coordinator)[0]  # (gRPC, which joins the processes, would go through the proxy)
+        os.environ["no_grpc_proxy"] = ",".join(filter(None, [os.environ.get("no_grpc_proxy"), host]))
     native_output_to_stderr()
     # Where the others do not all join within the timeout, or one stops answering later, JAX's
     # runtime ends this process itself, with its own message.

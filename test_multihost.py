@@ -32,23 +32,27 @@ def free_port(low=None):
             return s.getsockname()[1]
 
 
-def env(devices):
-    """The session's settings (conftest), on a CPU of `devices` devices."""
+def env(devices, proxy=None):
+    """The session's settings (conftest), on a CPU of `devices` devices, with `proxy` as the only HTTP
+    proxy: gRPC, which joins the processes, would send even localhost through one."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    return {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()} | dict(
+        JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **({"http_proxy": proxy, "https_proxy": proxy} if proxy else {}))
 
 
-def start(argv, processes=2, devices=2, timeout=TIMEOUT, only=None, slurm=False):
+def start(argv, processes=2, devices=2, timeout=TIMEOUT, only=None, slurm=False, proxy=None):
     """train.py in `processes` processes (process 1 first: it waits for the coordinator); `only`:
     {process id: flags that process alone adds}; slurm: the processes learn their count and ids
-    from the variables `srun` sets, and JAX its coordinator (on the port that the job id names)."""
+    from the variables `srun` sets, and JAX its coordinator (on the port that the job id names);
+    proxy: an HTTP proxy in their environment."""
     port = free_port(65536 - 4096 if slurm else None)
     several = lambda i: (["--coordinator", f"localhost:{port}", "--num-processes", str(processes), "--process-id",
                           str(i)] if processes > 1 and not slurm else []) + ["--coordinator-timeout", str(timeout)]
     launcher = lambda i: dict(SLURM_JOB_ID=str(port - (65536 - 4096)), SLURM_STEP_NODELIST="localhost",
                               SLURM_NTASKS=str(processes), SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) if slurm else {}
     return [subprocess.Popen([sys.executable, "train.py"] + argv + several(i) + (only or {}).get(i, []), cwd=HERE,
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(devices) | launcher(i))
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=env(devices, proxy) | launcher(i))
             for i in reversed(range(processes))][::-1]
 
 
@@ -72,7 +76,9 @@ def multihost_runs(tmp_path_factory, cache):
                                 str(tmp / name), "--cache-dir", cache]
     one, two = start(argv("one"), processes=1, devices=4), start(argv("two"), slurm=True)
     done = {"one": finish(one), "two": finish(two)}
-    killed = start(argv("killed"))  # (every program is compiled, and cached, before its first checkpoint)
+    # (every program is compiled, and cached, before its first checkpoint; a proxy that answers nothing
+    # is in the environment, and the coordinator is reached without it)
+    killed = start(argv("killed"), proxy="http://127.0.0.1:9")
     while not os.path.exists(tmp / "killed" / "checkpoint.npz") and killed[0].poll() is None:
         time.sleep(0.01)
     killed[1].kill()
