@@ -7,6 +7,7 @@ order, so process p holds the rows [p B/P, (p+1) B/P) and their memories. Every 
 same data stream and places only its own rows; the parameters are replicated. The global batch,
 and so the run, is the same whatever the number of processes. Process 0 writes the run's files.
 """
+import functools
 import hashlib
 import io
 import os
@@ -126,6 +127,7 @@ def is_main():
     return jax.process_index() == 0
 
 
+@functools.lru_cache(maxsize=1)  # one mesh for every step's batch
 def mesh():
     """Every process's devices, process 0's first: the rows of the batch go to them in this order."""
     return Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("data",))
