@@ -213,10 +213,15 @@ def test_a_ctrl_c_that_python_drops_is_delivered_again_and_stops_the_command(cap
 
 
 def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):
-    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it."""
-    with stopped_at_the_end(launch("evaluate.py", ["compare", str(finished_run), "--memory-sizes", "64,128",
-                                                   "--max-tokens", "0", "--csv", str(tmp_path / "c.csv")])) as proc:
-        wait_for_line(proc, "memory 64 vs 128: evaluating")  # two evaluations (and compilations) before the CSV
+    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it. evaluate.py compare
+    is held after its first evaluation (of two, before the CSV) for up to a minute: unheld, both take
+    about a second, and the command could end before the signal came."""
+    held = ("import sys, time, runs, evaluate; first = evaluate.per_token_loss; "
+            "evaluate.per_token_loss = lambda *a: (first(*a), time.sleep(60))[0]; "
+            "runs.exit_with(evaluate.main(sys.argv[1:]))")
+    argv = ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0", "--csv", str(tmp_path / "c.csv")]
+    with stopped_at_the_end(launch("-c", [held] + argv)) as proc:
+        wait_for_line(proc, "memory 64 vs 128: evaluating")
         proc.send_signal(signal.SIGTERM)
         assert_interrupted(*ending(proc))
     assert not (tmp_path / "c.csv").exists()
