@@ -3,8 +3,7 @@
   params = init_params(config, rng);  state = init_state(config, batch_size)
   logits, state = forward(params, state, tokens, reset, config)    # ops=kernels.FAST: the faster drop-ins
 Axes: B batch rows, T segment length, C cache length (T or 0), S = C + T local keys, H heads, D head
-dim, M memory size, K neighbours, L layers (Lm with memory), V vocab, E d_model, F d_ff, N = B * T.
-"""
+dim, M memory size, K neighbours, L layers (Lm with memory), V vocab, E d_model, F d_ff, N = B * T."""
 import dataclasses
 import functools
 import math

@@ -4,7 +4,8 @@ Every `python SCRIPT.py ...` in README.md (its code blocks and inline code) and 
 scripts' own usage lines is read here without being run: each flag it names must be one of
 that script's (or that evaluate.py command's) flags, spelled out in full, and a command
 without alternatives (`|`) or elisions (`...`) must parse as a whole, with its placeholders
-(RUN_DIR, M, FILE, ...) read as a value.
+(RUN_DIR, M, FILE, ...) read as a value. And the reading path stays as short and plain as
+the README says it is.
 """
 import ast
 import contextlib
@@ -126,3 +127,21 @@ def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
     assert "refuses" in check_command("benchmark.py --steps 0")
     assert "refuses" in check_command("evaluate.py compare RUN_DIR --doc 1")  # --memory-sizes and --csv are required
     assert "nothing.py" in check_command("nothing.py --x")
+
+
+def test_the_reading_path_stays_plain():
+    """The model file is the paper in plain jax.numpy, in at most 400 lines with no docstring over 6;
+    the faster forms live in kernels.py. train.py is at most 450 lines, the README at most 400, and no
+    module manages the C heap."""
+    def read(name):
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            return f.read()
+    model = read("memorizing_transformer.py")
+    assert model.count("\n") <= 400 and read("train.py").count("\n") <= 450 and read("README.md").count("\n") <= 400
+    assert not re.findall(r"custom_vjp|default_backend|bitcast", model)
+    long = [(getattr(node, "name", "the module"), node.body[0].end_lineno - node.body[0].lineno + 1)
+            for node in ast.walk(ast.parse(model))
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None]
+    assert all(n <= 6 for _, n in long), [x for x in long if x[1] > 6]
+    scripts = [f for f in os.listdir(HERE) if f.endswith(".py")]
+    assert not [f for f in scripts if re.search(r"^\s*(import|from)\s+ctypes\b", read(f), re.M)]
