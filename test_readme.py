@@ -4,8 +4,7 @@ Every `python SCRIPT.py ...` in README.md (its code blocks and inline code) and 
 scripts' own usage lines is read here without being run: each flag it names must be one of
 that script's (or that evaluate.py command's) flags, spelled out in full, and a command
 without alternatives (`|`) or elisions (`...`) must parse as a whole, with its placeholders
-(RUN_DIR, M, FILE, ...) read as a value. And the reading path stays as short and plain as
-the README says it is.
+(RUN_DIR, M, FILE, ...) read as a value. And the files a newcomer reads first stay short and plain.
 """
 import ast
 import contextlib
