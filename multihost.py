@@ -25,7 +25,7 @@ import runs
 
 # What SLURM's srun sets in each task (a variable only its tasks have, their count, this one's rank),
 # read where no flag is given; JAX finds the coordinator from the job's nodes and id itself.
-LAUNCHERS = (("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID"),)
+SLURM = ("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
 
 
 def settings(args):
@@ -33,10 +33,10 @@ def settings(args):
     flags, else from the environment: JAX_COORDINATOR_ADDRESS, and a launcher's task count and rank."""
     coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
     n, pid = args.num_processes, args.process_id
-    for present, count, rank in LAUNCHERS:
-        if n is None and pid is None and present in os.environ and os.environ.get(count, "").isdigit() and \
-                os.environ.get(rank, "").isdigit():
-            return coordinator, int(os.environ[count]), int(os.environ[rank]), True
+    present, count, rank = SLURM
+    if n is None and pid is None and present in os.environ and os.environ.get(count, "").isdigit() and \
+            os.environ.get(rank, "").isdigit():
+        return coordinator, int(os.environ[count]), int(os.environ[rank]), True
     return coordinator, n, pid, False
 
 
