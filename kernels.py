@@ -1,7 +1,7 @@
-"""Faster ways to compute three of the model's pieces, each a drop-in with the plain piece's
+"""Faster ways to compute four of the model's pieces, each a drop-in with the plain piece's
 signature and result (the tests hold them equal in values and gradients):
 
-  FAST = Ops(local_attention, memory_search, attend_to_retrieved)
+  FAST = Ops(local_attention, memory_search, attend_to_retrieved, clear_rows)
   logits, state = mt.forward(params, state, tokens, reset, config, ops=kernels.FAST)
 
 What each buys, and on which backend, is in the README's table "What the kernels buy".
@@ -120,7 +120,7 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     blocks = lambda x, axis: jnp.stack([jax.lax.slice_in_dim(x, s, s + W, axis=axis) for s in starts], axis=axis)
     valid = ((dist >= 0) & (dist <= config.segment_length))[None] & blocks(key_valid, 1)[:, :, None, :]  # [B, n, Q, W]
     bias = broadcast_rows(position_bias(rel_bias, buckets), B) + jnp.where(valid, 0.0, NEG_INF)[:, None]  # [B, H, n, Q, W]
-    qs = (q * scale.astype(q.dtype)[None, :, None, None]).reshape(B, H, n, Q, D)
+    qs = mt.scale_queries(q, scale).reshape(B, H, n, Q, D)
     cached = int(np.clip(S - T - starts, 0, W).min())  # leading keys of every block that are the cache's
     logits = product_qk(qs, blocks(k, 2), mt.precision(config), cached) + bias  # [B, H, n, Q, W]
     # The softmax normalized after the value product: the division is over D, not W. The max only
@@ -143,34 +143,42 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     lengths, so the keys go in as [segment; cache] and a row's length is T + its cache's valid
     count: exact when the valid keys are a prefix of the segment and of the cache, as data.py
     makes them (padding only at a segment's end). One bias [1, H, T, S] holds the window and the
-    T5 bias for all rows. Called outside jit, it refuses a mask of any other kind."""
-    if not isinstance(key_valid, jax.core.Tracer):
-        check_prefix_mask(np.asarray(key_valid)[:, k.shape[2] - q.shape[2]:])
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the call's layout: [B, T, H, D], [B, S, H, D]
-    B, T, H, D = q.shape
+    T5 bias for all rows. A batch whose mask is of any other kind takes mt.local_attention."""
+    C = k.shape[2] - q.shape[2]
+    prefixes = is_prefix(key_valid[:, :C]) & is_prefix(key_valid[:, C:])
+    operands = (q, k, v, key_valid, rel_bias, scale)
+    return jax.lax.cond(prefixes, functools.partial(_fused, config=config),
+                        functools.partial(mt.local_attention, config=config), *operands)
+
+
+def is_prefix(mask):
+    """Whether each row's valid positions [B, n] come first: no valid one after a padded one."""
+    return ~jnp.any(mask[:, 1:] & ~mask[:, :-1])
+
+
+def _fused(q, k, v, key_valid, rel_bias, scale, config):
+    """fused_local_attention's call, for masks whose two parts are prefixes."""
+    qs = mt.scale_queries(q, scale)  # [B, H, T, D]
+    qs, k, v = (jnp.swapaxes(x, 1, 2) for x in (qs, k, v))  # the call's layout: [B, T, H, D]
+    B, T, H, D = qs.shape
     S = k.shape[1]
     C = S - T
     order = np.concatenate([np.arange(C, S), np.arange(C)])  # positions of [segment; cache]
-    k, v = (jnp.concatenate([x[:, C:], jax.lax.stop_gradient(x[:, :C])], axis=1) for x in (k, v))
+    k = jnp.concatenate([k[:, C:], jax.lax.stop_gradient(k[:, :C])], axis=1)  # [B, S, H, D]
+    v = jnp.concatenate([v[:, C:], jax.lax.stop_gradient(v[:, :C])], axis=1)  # [B, S, H, D]
     dist = (C + np.arange(T))[:, None] - order[None, :]  # [T, S] query minus key position
     buckets = mt.relative_position_bucket(-dist, config.num_buckets, config.max_distance)
-    impl = fused_implementation(q.dtype, T, S, D)
-    dt = q.dtype if impl == "cudnn" else jnp.float32  # cuDNN takes a bias in the logits' dtype
-    hidden = -2.0 ** 41 if impl == "cudnn" else NEG_INF  # the value JAX's cuDNN path masks bfloat16 with
-    window = (dist >= 0) & (dist <= config.segment_length)
-    bias = jnp.where(window, position_bias(rel_bias, buckets).astype(dt), jnp.asarray(hidden, dt))[None]  # [1, H, T, S]
+    impl = fused_implementation(qs.dtype, T, S, D)
+    dt = qs.dtype if impl == "cudnn" else jnp.float32  # cuDNN takes a bias in the logits' dtype
+    hidden = -2.0**41 if impl == "cudnn" else NEG_INF  # JAX's cuDNN path masks bf16 with it
+    window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
+    bias = position_bias(rel_bias, buckets).astype(dt)  # [H, T, S]
+    bias = jnp.where(window, bias, jnp.asarray(hidden, dt))[None]  # [1, H, T, S]
     lengths = (T + jnp.sum(key_valid[:, :C], axis=1)).astype(jnp.int32)  # [B]
-    qs = q * scale.astype(q.dtype)[None, None, :, None]
-    out = jax.nn.dot_product_attention(qs, k, v, bias=bias, key_value_seq_lengths=lengths, scale=1.0,
-                                       implementation=impl)  # [B, T, H, D]
-    return jnp.swapaxes(out * key_valid[:, C:, None, None].astype(out.dtype), 1, 2)  # [B, H, T, D]
-
-
-def check_prefix_mask(mask):
-    """The fused attention's condition: each row's valid positions come first."""
-    if np.any(mask[..., 1:] & ~mask[..., :-1]):
-        raise ValueError("the fused attention takes padding only at the end of a segment, but the mask has a "
-                         "valid position after a padded one; use --attention explicit for such masks.")
+    out = jax.nn.dot_product_attention(qs, k, v, bias=bias, key_value_seq_lengths=lengths,
+                                       scale=1.0, implementation=impl)  # [B, T, H, D]
+    out = out * key_valid[:, C:, None, None].astype(out.dtype)  # [B, T, H, D]
+    return jnp.swapaxes(out, 1, 2)  # [B, H, T, D]
 
 
 # ----------------------------------------------------------------------------- memory search
@@ -257,7 +265,7 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     bfloat16 ones to all. The scores returned are the packed ones."""
     B, H, M, D = mem_k.shape
     T, K, chunk = q.shape[2], config.num_neighbors, config.memory_chunk
-    qs = jax.lax.stop_gradient(q * scale.astype(q.dtype)[None, :, None, None])  # [B, H, T, D]
+    qs = jax.lax.stop_gradient(mt.scale_queries(q, scale))  # [B, H, T, D]
 
     if config.exact_topk:
         size = _largest_divisor_at_most(M, chunk)
@@ -321,4 +329,17 @@ def attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config):
     return out, weights, has_memory
 
 
-FAST = mt.Ops(local_attention, memory_search, attend_to_retrieved)
+# ----------------------------------------------------------------------------- the memory's reset
+def clear_rows(mem, reset):
+    """mt.clear_rows in place, one reset row at a time: a step where no row starts a document
+    writes nothing, where a select would rewrite all M slots of every row."""
+    order = jnp.argsort(~reset)  # [B]: the reset rows first
+    zeros = jnp.zeros((1,) + mem.shape[1:], mem.dtype)
+
+    def clear(i, m):
+        return jax.lax.dynamic_update_slice_in_dim(m, zeros, order[i], axis=0)
+
+    return jax.lax.fori_loop(0, jnp.sum(reset), clear, mem)
+
+
+FAST = mt.Ops(local_attention, memory_search, attend_to_retrieved, clear_rows)

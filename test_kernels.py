@@ -122,21 +122,41 @@ def test_position_bias_and_its_gradient_equal_a_lookup_and_a_sum_per_bucket(one_
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_fused_attention_refuses_padding_before_a_valid_position():
-    """Its key lengths are exact only for prefix masks: called outside jit, as a user would, it says
-    so instead of guessing (under jit, the masks come from data.py, prefixes all)."""
+@pytest.mark.parametrize("kind", ["prefixes", "hole in the segment", "hole in the cache",
+                                  "cache valid only at its end", "random"])
+def test_the_fused_attention_equals_the_plain_one_under_jit_for_any_mask(kind):
+    """Its key lengths are exact only when the segment's and the cache's valid keys are prefixes;
+    under jit, with a mask of any other kind, it still gives the plain attention's values and
+    gradients (it takes the plain form for such a batch)."""
     cfg = SMALL.replace(attention="fused")
-    B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
-    q, k, v = (jnp.ones((B, H, n, D)) for n in (T, C + T, C + T))
-    prefix = np.concatenate([np.ones((B, C), bool), np.arange(T)[None] < np.array([[T], [3]])], axis=1)
-    call = lambda key_valid: kernels.local_attention(q, k, v, jnp.asarray(key_valid), jnp.zeros((32, H)),
-                                                     jnp.ones(H), cfg)
-    call(prefix)
-    holed = prefix.copy()
-    holed[0, C + 2] = False
-    with pytest.raises(ValueError, match="padding only at the end of a segment"):
-        call(holed)
-    kernels.local_attention(q, k, v, jnp.asarray(holed), jnp.zeros((32, H)), jnp.ones(H), SMALL)  # explicit: any mask
+    B, T, H, D, C = 3, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
+    rng = np.random.default_rng(13)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, H, n, D)), jnp.float32) for n in (T, C + T, C + T))
+    rel_bias = jnp.asarray(rng.standard_normal((cfg.num_buckets, H)), jnp.float32)
+    scale = jnp.asarray(rng.uniform(1, 3, H), jnp.float32)
+    cache = np.arange(C)[None] < np.array([[C], [5], [0]])  # [B, C] prefixes
+    segment = np.arange(T)[None] < np.array([[T], [3], [6]])  # [B, T] prefixes
+    if kind == "hole in the segment":
+        segment[0, 2] = False
+    elif kind == "hole in the cache":
+        cache[0, 1] = False
+    elif kind == "cache valid only at its end":
+        cache[1] = np.arange(C) >= C - 3
+    elif kind == "random":
+        cache, segment = rng.random((B, C)) < 0.6, rng.random((B, T)) < 0.6
+    key_valid = jnp.asarray(np.concatenate([cache, segment], axis=1))
+    r = jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.float32)
+
+    def value_and_grads(f):
+        loss = lambda q, k, v: jnp.sum(f(q, k, v, key_valid, rel_bias, scale, cfg) * r)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    (got, got_grads), (want, want_grads) = map(value_and_grads, (kernels.local_attention,
+                                                                  mt.local_attention))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g[:, :, C:] if g.shape[2] > T else g,
+                                   w[:, :, C:] if w.shape[2] > T else w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")

@@ -64,20 +64,58 @@ def np_gelu(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
-def reference_forward(params, tokens, config, gate=None):
+def reference_memory(dots, mask, config):
+    """Which earlier keys each query attends to in the memory, as the paper's ring buffer holds
+    them: dots [B, H, N, N] (query i, key j), mask [B, N] -> bool [B, H, N, N]. Each segment with
+    a valid token takes the next T slots, the oldest dropped once M are full; a padded key is
+    never valid. Exact top-k with k = M takes every held key; the binned top-k (slot s in bin
+    s mod G, rows of G bins) takes each bin's best held key, then the k best of those."""
+    B, H, N, _ = dots.shape
+    T, M, K = config.segment_length, config.memory_size, config.num_neighbors
+    G = mt.bin_layout(K, M, config.topk_recall_target)[0]
+    chosen = np.zeros(dots.shape, bool)
+    for b in range(B):
+        appended = []  # segments in the order they were written to the memory
+        for n in range(N // T):
+            held = appended[-(M // T):]  # the last M // T appended segments, oldest first
+            slot = {}  # key position -> its slot in the ring buffer
+            for m in held:
+                first = (appended.index(m) * T) % M
+                for t in range(T):
+                    if mask[b, m * T + t]:
+                        slot[m * T + t] = first + t
+            for h in range(H):
+                for i in range(n * T, (n + 1) * T):
+                    if config.exact_topk or K >= len(slot):
+                        picked = list(slot)
+                    else:
+                        best = {}  # bin -> its best key position
+                        for j, s in slot.items():
+                            if s % G not in best or dots[b, h, i, j] > dots[b, h, i, best[s % G]]:
+                                best[s % G] = j
+                        picked = sorted(best.values(), key=lambda j: -dots[b, h, i, j])[:K]
+                    chosen[b, h, i, picked] = True
+            if mask[b, n * T:(n + 1) * T].any():
+                appended.append(n)
+    return chosen
+
+
+def reference_forward(params, tokens, config, gate=None, mask=None):
     """The whole document in one pass, numpy float64.
 
     Local attention: a banded causal mask (itself and the previous T tokens) with the XL
-    cache, or causal within each segment without it. Memory layers: dense softmax over every
-    key of the earlier segments (block-causal), no position bias, mixed by the gate; `gate`
-    'memory' / 'local' forces g = 1 / g = 0. Tokens of the first segment keep the local result.
+    cache, or causal within each segment without it; padded keys (mask False) never seen.
+    Memory layers: dense softmax over the keys the memory holds (reference_memory), no position
+    bias, mixed by the gate; `gate` 'memory' / 'local' forces g = 1 / g = 0. A query with no
+    key in the memory keeps the local result. Padded positions' logits are not defined.
     """
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     T, N = config.segment_length, tokens.shape[1]
+    mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask)
     i, j = np.arange(N)[:, None], np.arange(N)[None, :]
     dist = i - j
     band = (dist >= 0) & ((dist <= T) if config.xl_cache else (i // T == j // T))
-    earlier = (j // T) < (i // T)
+    band = band[None, None] & mask[:, None, None, :]  # [B, 1, N, N]
     buckets = np.vectorize(lambda n: np_t5_bucket(max(n, 0), config.num_buckets, config.max_distance))(dist)
     x = p["embed"][tokens]
     for layer, lp in enumerate(p["layers"]):
@@ -89,24 +127,27 @@ def reference_forward(params, tokens, config, gate=None):
         bias = np.transpose(lp["rel_bias"][buckets], (2, 0, 1))[None]
         out = np.einsum("bhij,bjhd->bihd", np_softmax_masked(dots + bias, band), v)
         if layer in config.active_memory_layers:
-            mem = np.einsum("bhij,bjhd->bihd", np_softmax_masked(dots, earlier), v)
+            held = reference_memory(dots, mask, config)  # [B, H, N, N]
+            mem = np.einsum("bhij,bjhd->bihd", np_softmax_masked(dots, held), v)
             g = {"memory": 1.0, "local": 0.0, None: None}[gate]
             g = 1 / (1 + np.exp(-lp["gate_bias"])) if g is None else np.full(config.num_heads, g)
-            g = g[None, None, :, None] * earlier.any(-1)[None, :, None, None]
+            g = g[None, None, :, None] * np.swapaxes(held.any(-1), 1, 2)[..., None]  # [B, N, H, 1]
             out = mem * g + out * (1 - g)
         x = x + np.einsum("bthd,hde->bte", out, lp["wo"])
         x = x + np_gelu(np_rms_norm(x, lp["ffn_norm"]) @ lp["w1"]) @ lp["w2"]
     return np_rms_norm(x, p["final_norm"]) @ p["w_out"]
 
 
-def stream(params, tokens, config, state=None, reset_first=True, ops=kernels.FAST):
+def stream(params, tokens, config, state=None, reset_first=True, ops=kernels.FAST, mask=None):
     """Run the model segment by segment over tokens [B, N*T]; returns logits [B, N*T, V]."""
     B, T = tokens.shape[0], config.segment_length
     state = mt.init_state(config, B) if state is None else state
+    mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask)
     out = []
     for n in range(tokens.shape[1] // T):
         reset = jnp.full((B,), reset_first and n == 0)
-        logits, state = forward(params, state, tokens[:, n * T:(n + 1) * T], reset, config, ops=ops)
+        piece = slice(n * T, (n + 1) * T)
+        logits, state = forward(params, state, tokens[:, piece], reset, config, mask=mask[:, piece], ops=ops)
         out.append(logits)
     return jnp.concatenate(out, axis=1), state
 
@@ -233,9 +274,10 @@ def test_local_attention_gradients_equal_those_of_a_dense_softmax():
 # ----------------------------------------------------------------------------- kNN attention
 def knn_pieces(name):
     """The pieces knn_attention retrieves and attends with: the plain ones, or the kernels'."""
-    return {"plain": (mt.memory_search, mt.attend_to_retrieved),
-            "kernels": (kernels.memory_search, kernels.attend_to_retrieved),
-            "in terms": (kernels.memory_search, kernels.attend_in_terms)}[name]
+    search, attend = {"plain": (mt.memory_search, mt.attend_to_retrieved),
+                      "kernels": (kernels.memory_search, kernels.attend_to_retrieved),
+                      "in terms": (kernels.memory_search, kernels.attend_in_terms)}[name]
+    return mt.PLAIN._replace(memory_search=search, attend_to_retrieved=attend)
 
 
 @SETTINGS
@@ -255,8 +297,8 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
     for b in range(B):
         valid[b, rng.choice(M, fill, replace=False)] = True
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6, 7))(heads_first(q), mk, mv, valid, scale, cfg,
-                                                                          *knn_pieces(pieces))
+    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6))(heads_first(q), mk, mv, valid, scale, cfg,
+                                                                       knn_pieces(pieces))
     w = np_softmax_masked(np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :])
     np.testing.assert_allclose(heads_first(out), np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
     assert np.all(np.asarray(has) == (fill > 0))
@@ -283,7 +325,7 @@ def test_knn_attention_gradients_equal_those_of_dense_attention(pieces):
         w = jax.nn.softmax(jnp.where(valid[:, None, None, :], logits, -jnp.inf), axis=-1)
         return jnp.einsum("bhtm,bhmd->bhtd", w, mv)
 
-    model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, *knn_pieces(pieces))[0]
+    model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, knn_pieces(pieces))[0]
     grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1)))(q, scale) for f in (model, dense)]
     for got, want, name in zip(*grads, ("q", "scale")):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
@@ -295,7 +337,7 @@ def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients(pieces):
     B, T, H, D, M = 1, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
     q = jnp.ones((B, H, T, D)) / math.sqrt(D)
     zeros = jnp.zeros((B, H, M, D))
-    f = lambda q: mt.knn_attention(q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg, *knn_pieces(pieces))[0].sum()
+    f = lambda q: mt.knn_attention(q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg, knn_pieces(pieces))[0].sum()
     value, g = jax.jit(jax.value_and_grad(f))(q)
     assert np.isfinite(value) and np.all(np.isfinite(g))
 
@@ -361,6 +403,56 @@ def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments(ops):
     np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
 
 
+def padded_document_mask(config, segments):
+    """Row 0: a full memory, then an all-padding segment, then a partly padded one, then more;
+    row 1: a partly padded segment early. [2, segments * T] bool."""
+    T = config.segment_length
+    mask = np.ones((2, segments * T), bool)
+    full = config.memory_size // T
+    mask[0, (full + 1) * T:(full + 2) * T] = False  # all padding, with the memory full
+    mask[0, (full + 3) * T + 5:(full + 4) * T] = False  # the tail of a segment
+    mask[1, 2 * T + 3:3 * T] = False
+    return mask
+
+
+@OPS
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "binned"])
+def test_memory_streaming_with_padding_and_eviction_equals_the_reference(params, ops, exact):
+    """Twice the memory's length streamed through forward, so that the ring buffer drops its
+    oldest segments, with padding (an all-padding segment while the memory is full). Exact:
+    k = M, dense attention over what the memory holds. Binned: k = 2 of 32 slots in 16 bins of
+    2 rows, the search's picks held to the reference's own binned top-k."""
+    K = SMALL.memory_size if exact else 2
+    cfg = SMALL.replace(exact_topk=exact, num_neighbors=K)
+    assert exact or mt.bin_layout(K, cfg.memory_size, cfg.topk_recall_target)[1] > 1
+    params = randomize(params, 6)
+    segments = 2 * cfg.memory_size // cfg.segment_length + 2
+    tokens = random_tokens(12, cfg, 2, segments)
+    mask = padded_document_mask(cfg, segments)
+    got, _ = stream(params, tokens, cfg, ops=ops, mask=mask)
+    want = reference_forward(params, np.asarray(tokens), cfg, mask=mask)
+    np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=2e-4, rtol=2e-4)
+
+
+@OPS
+def test_an_all_padding_segment_costs_the_memory_nothing(params, ops):
+    """A row that gets a segment with no valid token, and no reset, keeps every slot: the next
+    call appends nothing and the write position stays."""
+    cfg, T, M = SMALL, SMALL.segment_length, SMALL.memory_size
+    segments = M // T + 1
+    _, state = stream(params, random_tokens(13, cfg, 2, segments), cfg, ops=ops)
+    full = mt.commit_memory(state, jnp.zeros(2, bool))
+    assert np.asarray(full.mem_valid).sum(1).tolist() == [M, M]
+    padding = jnp.asarray([[False] * T, [True] * T])
+    _, state = forward(params, state, random_tokens(14, cfg, 2, 1), jnp.zeros(2, bool), cfg,
+                       mask=padding, ops=ops)
+    _, state = forward(params, state, random_tokens(15, cfg, 2, 1), jnp.zeros(2, bool), cfg, ops=ops)
+    assert np.asarray(state.mem_valid).sum(1).tolist() == [M, M]
+    # Row 0's memory is the one it had when full: the padded segment took no slot.
+    np.testing.assert_array_equal(state.mem_k[0], full.mem_k[0])
+    assert np.asarray(state.mem_pos).tolist() == [int(full.mem_pos[0]), (int(full.mem_pos[1]) + T) % M]
+
+
 @SETTINGS
 @given(pos=st.integers(0, 4 * SMALL.segment_length - 1), seed=st.integers(0, 100))
 def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed):
@@ -386,7 +478,8 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
         _, state = forward(params, state, tokens, jnp.full((2,), i == 0), cfg)
         written.append(np.asarray(state.cache_k[:, cfg.memory_layers[0]]))  # [B, H, T, D]
     # The last segment is pending until the next call appends it; commit it to see the memory.
-    mem_k, _, valid, pos = map(np.asarray, mt.commit_memory(state, jnp.zeros(2, bool)))
+    committed = mt.commit_memory(state, jnp.zeros(2, bool))
+    mem_k, valid, pos = map(np.asarray, (committed.mem_k, committed.mem_valid, committed.mem_pos))
     assert valid.sum(1).tolist() == [min(n * T, M)] * 2
     slots_per_segment = M // T
     for age, keys in enumerate(reversed(written[-slots_per_segment:])):  # newest first
@@ -396,7 +489,7 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
     assert pos.tolist() == [(n * T) % M] * 2
     # A reset clears only the flagged rows.
     _, state = forward(params, state, random_tokens(7, cfg, 2, 1), jnp.array([True, False]), cfg)
-    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool))[2])
+    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool)).mem_valid)
     assert valid.sum(1).tolist() == [T, min((n + 1) * T, M)]
 
 
@@ -413,7 +506,7 @@ def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(r
                            pending_v=draw(state.pending_v), mem_valid=jnp.ones((4, M), bool),
                            pending_valid=jnp.ones((4, T), bool), mem_pos=jnp.asarray(pos, jnp.int32))
     got = jax.jit(mt.commit_memory)(state, jnp.asarray(reset))
-    for mem, pending, new in ((state.mem_k, state.pending_k, got[0]), (state.mem_v, state.pending_v, got[1])):
+    for mem, pending, new in ((state.mem_k, state.pending_k, got.mem_k), (state.mem_v, state.pending_v, got.mem_v)):
         want = np.array(mem)
         for b in range(4):
             if reset[b]:
@@ -421,7 +514,7 @@ def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(r
             else:
                 want[b, :, :, pos[b]:pos[b] + T] = pending[b]
         np.testing.assert_array_equal(new, want)
-    assert np.asarray(got[3]).tolist() == [0 if r else (p + T) % M for r, p in zip(reset, pos)]
+    assert np.asarray(got.mem_pos).tolist() == [0 if r else (p + T) % M for r, p in zip(reset, pos)]
 
 
 def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it():
@@ -458,7 +551,7 @@ def test_padding_is_never_stored_as_a_valid_entry(params):
     mask[0, 5:] = False
     _, state = forward(params, mt.init_state(cfg, 2), random_tokens(0, cfg, 2, 1), jnp.ones(2, bool), cfg,
                        mask=jnp.asarray(mask))
-    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool))[2])
+    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool)).mem_valid)
     assert valid.sum(1).tolist() == [5, cfg.segment_length]
     assert np.asarray(state.cache_valid).sum(1).tolist() == [5, cfg.segment_length]
 
@@ -530,11 +623,14 @@ def test_return_retrievals_gives_valid_slots_of_the_current_document(params):
     assert np.all(np.where(w > 0, np.asarray(r["slots"]) < T, True))
 
 
-def test_out_of_range_token_ids_raise_a_clear_error(params):
+@pytest.mark.parametrize("bad", [-1, SMALL.vocab_size])
+def test_check_tokens_names_the_first_out_of_range_id(bad):
+    """forward leaves the range to its callers (training, evaluation), which call check_tokens."""
     tokens = np.zeros((2, SMALL.segment_length), np.int32)
-    tokens[1, 3] = SMALL.vocab_size
-    with pytest.raises(ValueError, match="out of range"):
-        mt.forward(params, mt.init_state(SMALL, 2), tokens, jnp.ones(2, bool), SMALL)
+    mt.check_tokens(tokens, SMALL.vocab_size)
+    tokens[1, 3] = bad
+    with pytest.raises(ValueError, match=f"token id {bad} is out of range"):
+        mt.check_tokens(tokens, SMALL.vocab_size)
 
 
 @pytest.mark.parametrize("changes, field", [
