@@ -15,18 +15,17 @@ The floor: training FLOPs with the memory over those without, counting what the 
 nothing else: one forward-only [T, M] score product per head in each memory layer, and attention
 over the K retrieved pairs (forward and backward).
 """
-import os
-import signal
+import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
-if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
-    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
-    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+if __name__ == "__main__":
+    startup.leave_on_early_signals()
 
 import argparse
 import collections
 import functools
 import glob
 import json
+import os
 import re
 import resource
 import shutil

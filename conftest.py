@@ -26,6 +26,7 @@ _cache = tempfile.mkdtemp(prefix="jax-cache-")
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
+import startup  # noqa: E402, F401  (malloc kept for XLA's CPU blocks, as the scripts do)
 import jax  # noqa: E402  (after the environment above)
 
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first

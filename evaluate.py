@@ -13,12 +13,10 @@ Every perplexity of a memory model comes with its memory-off ablation: the same 
 every gate forced to 0 (local attention only). Memory that is present but unused looks
 like memory that works; the ablation tells them apart.
 """
-import os
-import signal
+import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
-if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
-    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
-    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+if __name__ == "__main__":
+    startup.leave_on_early_signals()
 
 import argparse
 import csv
@@ -28,6 +26,7 @@ import io
 import json
 import keyword
 import math
+import os
 import re
 import sys
 import time

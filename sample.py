@@ -14,12 +14,10 @@ logits at the last real position are read; the state that call returns is droppe
 new token costs one forward pass over T positions where an incremental key/value cache
 would compute one: simple, and the logits are exactly those of streaming the whole text.
 """
-import os
-import signal
+import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
-if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
-    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
-    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+if __name__ == "__main__":
+    startup.leave_on_early_signals()
 
 import argparse
 import functools

@@ -351,10 +351,9 @@ def test_a_signal_after_the_command_returned_does_not_change_how_it_ended(sig, c
     Python's defaults (killed without a word: a fuzz of interrupts at random moments saw it in
     two of thirty commands). The command's own ending stands; the teardown, where this child
     signals itself, is not run."""
-    child = ("import atexit, os, signal, runs\n"
-             "signal.signal(signal.SIGINT, lambda *_: (os.write(2, b'interrupted before anything was written.\\n'),"
-             " os._exit(130)))\n"  # as each script does before it imports JAX
-             "signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))\n"
+    child = ("import atexit, os, startup\n"
+             "startup.leave_on_early_signals()\n"  # as each script does before it imports JAX
+             "import runs\n"
              f"atexit.register(lambda: (os.kill(os.getpid(), {int(sig)}), __import__('time').sleep(1)))\n"
              f"runs.exit_with(runs.run_command(lambda args: print('done') or {code}, None))\n")
     proc = subprocess.run([sys.executable, "-c", child], cwd=HERE, capture_output=True, text=True, timeout=120)

@@ -9,18 +9,17 @@
 A run writes config.json, metrics.jsonl (one JSON object per logged step and per evaluation),
 eval.json, tokenizer.model and checkpoint.npz to --out; runs.py does the files, flags and signals.
 """
-import os
-import signal
+import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
-if __name__ == "__main__":  # Ctrl-C or SIGTERM while JAX imports: nothing is written yet, leave in one line
-    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted before anything was written.\n"), os._exit(130)))
-    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))  # (run_command takes both over)
+if __name__ == "__main__":
+    startup.leave_on_early_signals()
 
 import contextlib
 import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import time
 

@@ -1,0 +1,46 @@
+"""startup.py, which every script imports before JAX: glibc's malloc settings in force in a fresh
+process, and the one variable that turns them off."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# A 64 MiB block: glibc maps it apart (mmap) by default, and unmaps it when freed; with the
+# settings, it comes from the heap (sbrk), which keeps it when freed.
+PROBE = """
+import ctypes, startup
+libc = ctypes.CDLL(None)
+libc.sbrk.restype = libc.malloc.restype = ctypes.c_void_p
+libc.sbrk.argtypes, libc.free.argtypes = [ctypes.c_long], [ctypes.c_void_p]
+before = libc.sbrk(0)
+block = libc.malloc(64 << 20)
+grown = libc.sbrk(0) - before
+libc.free(block)
+kept = libc.sbrk(0) - before
+print(startup.MALLOC_KEPT, grown >= 64 << 20, kept >= 64 << 20)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
+                    reason="the setting is for Linux with glibc; elsewhere it is a no-op")
+def test_malloc_keeps_large_blocks_in_a_fresh_process_unless_turned_off():
+    clean = {k: v for k, v in os.environ.items() if k not in ("MT_DEFAULT_MALLOC", "GLIBC_TUNABLES")}
+    on = subprocess.run([sys.executable, "-c", PROBE], cwd=HERE, env=clean, capture_output=True,
+                        text=True, timeout=60, check=True).stdout.split()
+    off = subprocess.run([sys.executable, "-c", PROBE], cwd=HERE, env=dict(clean, MT_DEFAULT_MALLOC="1"),
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert on == ["True", "True", "True"]  # from the heap, and kept there when freed
+    assert off == ["False", "False", "False"]  # mapped apart, as glibc does by default
+
+
+def test_startup_comes_before_jax_in_every_script():
+    """The settings act on the allocations that follow them: each script imports startup first."""
+    for name in ("train.py", "evaluate.py", "sample.py", "benchmark.py", "conftest.py"):
+        with open(os.path.join(HERE, name)) as f:
+            imports = [line.split()[1] for line in f if line.startswith(("import ", "from "))]
+        assert imports.index("startup") < imports.index("jax"), name
