@@ -2,10 +2,13 @@
 
   python benchmark.py                                   # tiny preset, M = 0, 8192, 65536
   python benchmark.py --rounds 21 --steps 15            # also: ratios from steps called in turn
-  python benchmark.py --ops plain                       # the model's plain pieces instead of kernels.FAST
-  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --attention fused --train-only --compile-jobs 3
+  python benchmark.py --ops plain                       # the model's plain pieces instead of
+  kernels.FAST
+  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --attention fused --train-only
+  --compile-jobs 3
   python benchmark.py --search --memory-sizes 8192,65536   # the memory search alone
-  python benchmark.py --peer /tmp/peer/bin/python --repeats 3   # against memorizing-transformers-pytorch
+  python benchmark.py --peer /tmp/peer/bin/python --repeats 3   # against
+  memorizing-transformers-pytorch
 
 Each memory size runs in its own process (so that peak memory is that row's own), compiles the
 jitted train step, warms up, and reports the median of --steps timed steps. A second table times
@@ -15,6 +18,7 @@ The floor: training FLOPs with the memory over those without, counting what the 
 nothing else: one forward-only [T, M] score product per head in each memory layer, and attention
 over the K retrieved pairs (forward and backward).
 """
+
 import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
 if __name__ == "__main__":
@@ -51,12 +55,23 @@ OPS = {"fast": kernels.FAST, "plain": mt.PLAIN}
 
 def train_flops(c, batch, memory_size):
     """Matmul FLOPs of one training step (forward + backward = 3 x forward), and of the forward."""
-    B, T, E, H, D, F, V, L = batch, c.segment_length, c.d_model, c.num_heads, c.head_dim, c.d_ff, c.vocab_size, c.num_layers
+    B, T, E, H, D, F, V, L = (
+        batch,
+        c.segment_length,
+        c.d_model,
+        c.num_heads,
+        c.head_dim,
+        c.d_ff,
+        c.vocab_size,
+        c.num_layers,
+    )
     S = c.cache_length + T
     dense = 2 * B * T * (L * (4 * E * H * D + 2 * E * F) + E * V)  # projections, FFN, logits
     attention = 2 * B * H * T * S * D * 2 * L  # q.k and weights.v
     n_mem = len(c.memory_layers) if memory_size else 0
-    search = 2 * B * H * T * memory_size * D * n_mem  # forward only: retrieval is not differentiated
+    search = (
+        2 * B * H * T * memory_size * D * n_mem
+    )  # forward only: retrieval is not differentiated
     retrieved = 2 * B * H * T * c.num_neighbors * D * 2 * n_mem  # q.k and weights.v over K pairs
     return 3 * (dense + attention + retrieved) + search, dense + attention + retrieved + search
 
@@ -71,22 +86,38 @@ def peak_bytes():
 def recall(found, exact):
     """Share of each query's exact top-k slots that `found` also holds: [..., K] each."""
     K = exact.shape[-1]
-    return float(np.mean([len(set(x) & set(y)) / K for x, y in zip(np.asarray(found).reshape(-1, K).tolist(),
-                                                                     np.asarray(exact).reshape(-1, K).tolist())]))
+    return float(
+        np.mean(
+            [
+                len(set(x) & set(y)) / K
+                for x, y in zip(
+                    np.asarray(found).reshape(-1, K).tolist(),
+                    np.asarray(exact).reshape(-1, K).tolist(),
+                )
+            ]
+        )
+    )
 
 
 def measure_recall(c, memory_size, search, queries=64):
-    """The approximate top-k, in the model's dtypes, against exact float32 top-k on random unit vectors."""
+    """The approximate top-k, in the model's dtypes, against exact float32 top-k on random unit
+    vectors."""
     if not memory_size or c.exact_topk:
         return 1.0 if memory_size else None
     rng = np.random.default_rng(0)
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    cfg = c.replace(memory_size=memory_size, segment_length=queries, num_heads=1, d_model=c.head_dim)
+    cfg = c.replace(
+        memory_size=memory_size, segment_length=queries, num_heads=1, d_model=c.head_dim
+    )
     q = unit(rng.standard_normal((1, 1, queries, c.head_dim))).astype(np.float32)  # [B, H, T, D]
     k = unit(rng.standard_normal((1, 1, memory_size, c.head_dim))).astype(np.float32)
     valid = np.ones((1, memory_size), bool)
-    _, approx = search(jnp.asarray(q, c.dtype), jnp.asarray(k, c.storage_dtype), valid, jnp.ones(1), cfg)
-    _, exact = mt.memory_search(q, k, valid, jnp.ones(1), cfg.replace(exact_topk=True, dtype="float32"))
+    _, approx = search(
+        jnp.asarray(q, c.dtype), jnp.asarray(k, c.storage_dtype), valid, jnp.ones(1), cfg
+    )
+    _, exact = mt.memory_search(
+        q, k, valid, jnp.ones(1), cfg.replace(exact_topk=True, dtype="float32")
+    )
     return recall(approx, exact)
 
 
@@ -96,25 +127,51 @@ def device_name():
         return d.device_kind
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            model = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         model = "unknown CPU"
     return f"CPU {model}, {os.cpu_count()} cores"
 
 
 # ----------------------------------------------------------------------------- --profile
-HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8}
-NOT_WRITTEN = ("parameter", "constant", "bitcast", "get-tuple-element", "tuple", "while", "call", "conditional")
+HLO_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+NOT_WRITTEN = (
+    "parameter",
+    "constant",
+    "bitcast",
+    "get-tuple-element",
+    "tuple",
+    "while",
+    "call",
+    "conditional",
+)
 
 
 def largest_buffers(hlo_text, n=10):
     """The n largest arrays a compiled program's operations write, largest first: [{"op", "opcode",
-    "shape", "bytes"}]. The outputs of the entry computation's and loop bodies' operations (a tuple's
-    elements one by one; an update in place counts its whole array), not the values inside a fused
-    computation (any computation named with calls=), which never reach memory."""
+    "shape", "bytes"}]. The outputs of the entry computation's and loop bodies' operations (a
+    tuple's elements one by one; an update in place counts its whole array), not the values inside a
+    fused computation (any computation named with calls=), which never reach memory."""
     buffers, fused = [], False
-    called = set(re.findall(r"%([\w.\-]+)", " ".join(re.findall(r"calls=(\{[^}]*\}|%[\w.\-]+)", hlo_text))))
+    called = set(
+        re.findall(r"%([\w.\-]+)", " ".join(re.findall(r"calls=(\{[^}]*\}|%[\w.\-]+)", hlo_text)))
+    )
     for line in hlo_text.splitlines():
         head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
         if head:  # a computation starts
@@ -125,21 +182,32 @@ def largest_buffers(hlo_text, n=10):
             continue
         for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", inst.group(2)):
             shape = [int(d) for d in dims.split(",") if d]
-            buffers.append({"op": inst.group(1), "opcode": inst.group(3), "shape": f"{dtype}[{dims}]",
-                            "bytes": HLO_BYTES.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))})
+            buffers.append(
+                {
+                    "op": inst.group(1),
+                    "opcode": inst.group(3),
+                    "shape": f"{dtype}[{dims}]",
+                    "bytes": HLO_BYTES.get(dtype, 4) * int(np.prod(shape, dtype=np.int64)),
+                }
+            )
     return sorted(buffers, key=lambda b: -b["bytes"])[:n]
 
 
 def profile_steps(run_step, steps, hlo_text, out_dir, tag):
-    """Time per XLA operation over `steps` steps, from a jax.profiler trace: kernels on a GPU, thunks
-    on a CPU (where threads add up to more than the wall time, and a plain `dot`'s work runs on
-    threads the trace does not tie to it). Each operation is named after the JAX operation it came
-    from (HLO metadata). Writes the trace, the HLO and the tables to out_dir; returns the table by
-    JAX operation, longest first, and the largest arrays."""
+    """Time per XLA operation over `steps` steps, from a jax.profiler trace: kernels on a GPU,
+    thunks on a CPU (where threads add up to more than the wall time, and a plain `dot`'s work runs
+    on threads the trace does not tie to it). Each operation is named after the JAX operation it
+    came from (HLO metadata). Writes the trace, the HLO and the tables to out_dir; returns the table
+    by JAX operation, longest first, and the largest arrays."""
     from jax.profiler import ProfileData
+
     normal = lambda name: re.sub(r"[.\-]", "_", name)
-    source = {normal(name): op for name, op in re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]*)"',
-                                                        hlo_text, re.M)}
+    source = {
+        normal(name): op
+        for name, op in re.findall(
+            r'^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M
+        )
+    }
     module = re.search(r"^HloModule (\S+?),", hlo_text, re.M)
     module = module.group(1) if module else ""
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -158,42 +226,89 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
             for event in line.events:
                 stats = dict(event.stats)
                 if "hlo_op" in stats and stats.get("hlo_module", module) == module:
-                    op = event.name if stats["hlo_op"].startswith("command_buffer") else stats["hlo_op"]
+                    op = (
+                        event.name
+                        if stats["hlo_op"].startswith("command_buffer")
+                        else stats["hlo_op"]
+                    )
                     per_op[op] += event.duration_ns / steps / 1e6
     total = sum(per_op.values()) or 1.0
-    label = lambda op: re.sub(r"^jit\(\w+\)/", "", source.get(normal(op), "")) or (
-        "library matmul" if op.startswith(("nvjet", "sm90", "sm80", "cutlass", "gemm")) else f"({op})")
+    label = lambda op: (
+        re.sub(r"^jit\(\w+\)/", "", source.get(normal(op), ""))
+        or (
+            "library matmul"
+            if op.startswith(("nvjet", "sm90", "sm80", "cutlass", "gemm"))
+            else f"({op})"
+        )
+    )
     by_source = collections.Counter()
     for op, ms in per_op.items():
         by_source[label(op)] += ms
-    ops = [{"op": op, "ms_per_step": ms, "share": ms / total, "source": label(op)} for op, ms in per_op.most_common()]
-    table = [{"source": src, "ms_per_step": ms, "share": ms / total} for src, ms in by_source.most_common()]
+    ops = [
+        {"op": op, "ms_per_step": ms, "share": ms / total, "source": label(op)}
+        for op, ms in per_op.most_common()
+    ]
+    table = [
+        {"source": src, "ms_per_step": ms, "share": ms / total}
+        for src, ms in by_source.most_common()
+    ]
     with open(os.path.join(out_dir, f"step_{tag}.hlo.txt"), "w") as f:
         f.write(hlo_text)
     buffers = largest_buffers(hlo_text)
     for b in buffers:
         b["source"] = label(b["op"])
     with open(os.path.join(out_dir, f"profile_{tag}.json"), "w") as f:
-        json.dump({"module": module, "steps": steps, "ms_per_step": total, "by_source": table, "ops": ops,
-                   "largest_buffers": buffers}, f, indent=1)
+        json.dump(
+            {
+                "module": module,
+                "steps": steps,
+                "ms_per_step": total,
+                "by_source": table,
+                "ops": ops,
+                "largest_buffers": buffers,
+            },
+            f,
+            indent=1,
+        )
     return table, buffers
 
 
 # ----------------------------------------------------------------------------- a row
-def row_step(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"):
+def row_step(
+    preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"
+):
     """One memory size's config, jitted train step and its arguments (params, optimizer state, model
     state, a batch of random tokens; the same seeds in every row)."""
-    c = mt.PRESETS[preset].replace(memory_size=memory_size, batch_size=batch, grad_accum=1, dtype=dtype,
-                                   memory_dtype=memory_dtype, attention=attention)
+    c = mt.PRESETS[preset].replace(
+        memory_size=memory_size,
+        batch_size=batch,
+        grad_accum=1,
+        dtype=dtype,
+        memory_dtype=memory_dtype,
+        attention=attention,
+    )
     params = mt.init_params(c, jax.random.PRNGKey(0))
-    tokens = np.random.default_rng(0).integers(1, c.vocab_size, (batch, c.segment_length)).astype(np.int32)
-    batch_arrays = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones(tokens.shape, bool),
-                    "reset": np.zeros(batch, bool)}
-    return c, train.make_train_step(train.step_config(c), OPS[ops]), [params, train.make_optimizer(c)[0](params),
-                                                                      mt.init_state(c, batch), batch_arrays]
+    tokens = (
+        np.random.default_rng(0)
+        .integers(1, c.vocab_size, (batch, c.segment_length))
+        .astype(np.int32)
+    )
+    batch_arrays = {
+        "tokens": tokens,
+        "targets": np.roll(tokens, -1, 1),
+        "mask": np.ones(tokens.shape, bool),
+        "reset": np.zeros(batch, bool),
+    }
+    return (
+        c,
+        train.make_train_step(train.step_config(c), OPS[ops]),
+        [params, train.make_optimizer(c)[0](params), mt.init_state(c, batch), batch_arrays],
+    )
 
 
-def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, attention="explicit", ops="fast"):
+def alternate_rows(
+    preset, batch, sizes, rounds, dtype, memory_dtype=None, attention="explicit", ops="fast"
+):
     """Every memory size's train step in this process, called in turn for `rounds` rounds (after two
     warm-up rounds). For each size, the median, min and max over the rounds of its step time over
     the base row's (size 0, else the first) in the same round: on a shared machine whose speed
@@ -210,11 +325,17 @@ def alternate_rows(preset, batch, sizes, rounds, dtype, memory_dtype=None, atten
     out = {}
     for m in sizes:
         ratios = [t / b for t, b in zip(times[m][2:], times[base][2:])]
-        out[m] = {"paired_ratio": statistics.median(ratios), "paired_min": min(ratios), "paired_max": max(ratios)}
+        out[m] = {
+            "paired_ratio": statistics.median(ratios),
+            "paired_min": min(ratios),
+            "paired_max": max(ratios),
+        }
     return out
 
 
-def compile_row(preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"):
+def compile_row(
+    preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"
+):
     """One row's train step compiled, not run (--compile-jobs): into JAX's persistent compilation
     cache, from which the row's timed process then loads it."""
     _, step, args = row_step(preset, batch, memory_size, dtype, memory_dtype, attention, ops)
@@ -223,15 +344,28 @@ def compile_row(preset, batch, memory_size, dtype, memory_dtype=None, attention=
     return {"memory_size": memory_size, "compile_s": time.perf_counter() - t0}
 
 
-def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile_dir=None, attention="explicit",
-            train_only=False, ops="fast"):
+def run_row(
+    preset,
+    batch,
+    memory_size,
+    steps,
+    dtype,
+    memory_dtype=None,
+    profile_dir=None,
+    attention="explicit",
+    train_only=False,
+    ops="fast",
+):
     """One memory size, in this process: the row's measurements (with train_only, the train step's
     alone: three programs fewer to compile)."""
-    c, step, (params, opt_state, state, batch_arrays) = row_step(preset, batch, memory_size, dtype, memory_dtype,
-                                                                 attention, ops)
+    c, step, (params, opt_state, state, batch_arrays) = row_step(
+        preset, batch, memory_size, dtype, memory_dtype, attention, ops
+    )
     tokens = jnp.asarray(batch_arrays["tokens"])
     t0 = time.perf_counter()
-    params, opt_state, state, m = step(params, opt_state, state, batch_arrays)  # compile + first step
+    params, opt_state, state, m = step(
+        params, opt_state, state, batch_arrays
+    )  # compile + first step
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
     times = []
@@ -243,15 +377,19 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
     step_s, peak = statistics.median(times[1:]), peak_bytes()
     profile = None
     if profile_dir:
+
         def run_step():
             nonlocal params, opt_state, state
             params, opt_state, state, m = step(params, opt_state, state, batch_arrays)
             jax.block_until_ready(m)
+
         hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
         table, buffers = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")
         profile = {"ops": table[:15], "largest_buffers": buffers}
     forward = functools.partial(mt.forward, config=c, ops=OPS[ops])
-    fwd = jax.jit(lambda p, s: forward(p, s, tokens, jnp.zeros(batch, bool)), donate_argnums=1)  # memory in place
+    fwd = jax.jit(
+        lambda p, s: forward(p, s, tokens, jnp.zeros(batch, bool)), donate_argnums=1
+    )  # memory in place
     fwd_times = []
     for _ in range(0 if train_only else steps + 2):
         t0 = time.perf_counter()
@@ -262,9 +400,13 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
     # the no-memory row only, where the memory's search (not differentiated) is absent.
     loss_s = grad_s = None
     if memory_size == 0 and not train_only:
+
         def loss(p, s):
             logits, _ = forward(p, s, tokens, jnp.zeros(batch, bool))
-            return mt.loss(logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool))
+            return mt.loss(
+                logits, jnp.asarray(batch_arrays["targets"]), jnp.ones(tokens.shape, bool)
+            )
+
         timed = {"loss": jax.jit(loss), "grad": jax.jit(jax.grad(loss))}
         times = {name: [] for name in timed}
         for _ in range(steps + 2):
@@ -274,15 +416,32 @@ def run_row(preset, batch, memory_size, steps, dtype, memory_dtype=None, profile
                 times[name].append(time.perf_counter() - t0)
         loss_s, grad_s = (statistics.median(times[name][2:]) for name in timed)
     train_f, fwd_f = train_flops(c, batch, memory_size)
-    return {"memory_size": memory_size, "step_s": step_s,
-            "forward_s": statistics.median(fwd_times[2:]) if fwd_times else None,
-            "loss_forward_s": loss_s, "grad_s": grad_s, "grad_over_forward": grad_s and grad_s / loss_s,
-            "tokens_per_s": batch * c.segment_length / step_s, "peak_bytes": peak,
-            "recall": measure_recall(c, memory_size, OPS[ops].memory_search), "train_flops": train_f,
-            "forward_flops": fwd_f, "compile_s": compile_s, "device": device_name(), "memory_dtype": c.storage_dtype,
-            "profile": profile, "attention": c.attention, "ops": ops,
-            "memory_bytes": 2 * len(c.active_memory_layers) * batch * c.num_heads * memory_size * c.head_dim *
-            jnp.dtype(c.storage_dtype).itemsize}
+    return {
+        "memory_size": memory_size,
+        "step_s": step_s,
+        "forward_s": statistics.median(fwd_times[2:]) if fwd_times else None,
+        "loss_forward_s": loss_s,
+        "grad_s": grad_s,
+        "grad_over_forward": grad_s and grad_s / loss_s,
+        "tokens_per_s": batch * c.segment_length / step_s,
+        "peak_bytes": peak,
+        "recall": measure_recall(c, memory_size, OPS[ops].memory_search),
+        "train_flops": train_f,
+        "forward_flops": fwd_f,
+        "compile_s": compile_s,
+        "device": device_name(),
+        "memory_dtype": c.storage_dtype,
+        "profile": profile,
+        "attention": c.attention,
+        "ops": ops,
+        "memory_bytes": 2
+        * len(c.active_memory_layers)
+        * batch
+        * c.num_heads
+        * memory_size
+        * c.head_dim
+        * jnp.dtype(c.storage_dtype).itemsize,
+    }
 
 
 # ----------------------------------------------------------------------------- --search
@@ -294,18 +453,35 @@ def time_search(c, batch, memory_size, steps):
     lax.top_k and in passes (kernels.top_k_in_passes, a CPU's way), which must agree."""
     H, T, D, K = c.num_heads, c.segment_length, c.head_dim, c.num_neighbors
     unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
-    kq, kk, kw = jax.random.split(jax.random.PRNGKey(0), 3)  # drawn on the device: no host copy of the memory
+    kq, kk, kw = jax.random.split(
+        jax.random.PRNGKey(0), 3
+    )  # drawn on the device: no host copy of the memory
     q = unit(jax.random.normal(kq, (batch, H, T, D))).astype(c.dtype)  # [B, H, T, D]
-    keys = unit(jax.random.normal(kk, (batch, H, memory_size, D))).astype(c.storage_dtype)  # [B, H, M, D]
+    keys = unit(jax.random.normal(kk, (batch, H, memory_size, D))).astype(
+        c.storage_dtype
+    )  # [B, H, M, D]
     valid, scale = jnp.ones((batch, memory_size), bool), jnp.ones((H,), jnp.float32)
-    forms = {"kernel": (kernels.memory_search, c), "plain": (mt.memory_search, c),
-             "exact": (kernels.memory_search, c.replace(exact_topk=True))}
-    fns = {name: jax.jit(lambda q, k, f=f, cfg=cfg: f(q, k, valid, scale, cfg)[1]) for name, (f, cfg) in forms.items()}
+    forms = {
+        "kernel": (kernels.memory_search, c),
+        "plain": (mt.memory_search, c),
+        "exact": (kernels.memory_search, c.replace(exact_topk=True)),
+    }
+    fns = {
+        name: jax.jit(lambda q, k, f=f, cfg=cfg: f(q, k, valid, scale, cfg)[1])
+        for name, (f, cfg) in forms.items()
+    }
     L = mt.bin_layout(K, memory_size, c.topk_recall_target)[0]
-    winners = kernels._bin_keys(kernels._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0))
-    topks = {"lax": jax.jit(lambda x: jax.lax.top_k(x, K)[0]), "passes": jax.jit(lambda x: kernels.top_k_in_passes(x, K))}
-    calls = {**{name: (f, (q, keys)) for name, f in fns.items()},
-             **{"top_k_" + name: (f, (winners,)) for name, f in topks.items()}}
+    winners = kernels._bin_keys(
+        kernels._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0)
+    )
+    topks = {
+        "lax": jax.jit(lambda x: jax.lax.top_k(x, K)[0]),
+        "passes": jax.jit(lambda x: kernels.top_k_in_passes(x, K)),
+    }
+    calls = {
+        **{name: (f, (q, keys)) for name, f in fns.items()},
+        **{"top_k_" + name: (f, (winners,)) for name, f in topks.items()},
+    }
     out = {name: np.asarray(f(*a)) for name, (f, a) in calls.items()}  # compile + warm-up
     times = {name: [] for name in calls}
     for _ in range(steps):
@@ -314,30 +490,54 @@ def time_search(c, batch, memory_size, steps):
             jax.block_until_ready(f(*a))
             times[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(t) for name, t in times.items()}
-    return {"memory_size": memory_size, "search_s": {name: median[name] for name in fns},
-            "top_k_s": {name: median["top_k_" + name] for name in topks}, "bins": L,
-            "recall": recall(out["kernel"], out["exact"]), "same_slots": float(np.mean(out["kernel"] == out["plain"])),
-            "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])), "device": device_name()}
+    return {
+        "memory_size": memory_size,
+        "search_s": {name: median[name] for name in fns},
+        "top_k_s": {name: median["top_k_" + name] for name in topks},
+        "bins": L,
+        "recall": recall(out["kernel"], out["exact"]),
+        "same_slots": float(np.mean(out["kernel"] == out["plain"])),
+        "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])),
+        "device": device_name(),
+    }
 
 
 def search_table(args, base, batch, sizes):
     """--search: the search's forms at each nonzero memory size, in this process."""
-    c = base.replace(batch_size=batch, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype)
+    c = base.replace(
+        batch_size=batch, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype
+    )
     rows = [time_search(c.replace(memory_size=m), batch, m, args.steps) for m in sizes if m]
-    print(f"device: {rows[0]['device']} | preset {args.preset}: the memory search alone, one memory layer: B {batch}, "
-          f"H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries {args.dtype}, memory "
-          f"in {c.storage_dtype}, median of {args.steps} calls of each form in turn")
-    print(f"\n{'memory':>8} {'bins':>6} {'kernel ms':>10} {'plain ms':>9} {'exact ms':>9} {'recall':>7} "
-          f"{'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}")
+    print(
+        f"device: {rows[0]['device']} | preset {args.preset}: the memory search alone, one memory "
+        f"layer: B {batch}, "
+        f"H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries "
+        f"{args.dtype}, memory "
+        f"in {c.storage_dtype}, median of {args.steps} calls of each form in turn"
+    )
+    print(
+        f"\n{'memory':>8} {'bins':>6} {'kernel ms':>10} {'plain ms':>9} {'exact ms':>9} "
+        f"{'recall':>7} "
+        f"{'same slots':>11} {'top-k ms':>9} {'in passes ms':>13} {'same':>7}"
+    )
     for r in rows:
         t, k = r["search_s"], r["top_k_s"]
-        print(f"{r['memory_size']:>8} {r['bins']:>6} {t['kernel'] * 1e3:>10.2f} {t['plain'] * 1e3:>9.2f} "
-              f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} {k['lax'] * 1e3:>9.2f} "
-              f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}")
-    print("kernel: kernels.memory_search; plain: mt.memory_search (all scores at once); recall: the binned slots "
-          "found among the exact top-k; same slots: the share on which kernel and plain agree (ties of float32 "
-          "scores within the kernel's rounding may differ); top-k, in passes: the top-k of the bins' winners alone, "
-          "by lax.top_k and by kernels.top_k_in_passes, and the share on which they agree (must be 1)")
+        print(
+            f"{r['memory_size']:>8} {r['bins']:>6} {t['kernel'] * 1e3:>10.2f} "
+            f"{t['plain'] * 1e3:>9.2f} "
+            f"{t['exact'] * 1e3:>9.2f} {r['recall']:>7.3f} {r['same_slots']:>11.4f} "
+            f"{k['lax'] * 1e3:>9.2f} "
+            f"{k['passes'] * 1e3:>13.2f} {r['top_k_same']:>7.4f}"
+        )
+    print(
+        "kernel: kernels.memory_search; plain: mt.memory_search (all scores at once); recall: the "
+        "binned slots "
+        "found among the exact top-k; same slots: the share on which kernel and plain agree (ties "
+        "of float32 "
+        "scores within the kernel's rounding may differ); top-k, in passes: the top-k of the bins' "
+        "winners alone, "
+        "by lax.top_k and by kernels.top_k_in_passes, and the share on which they agree (must be 1)"
+    )
     if args.json:
         runs.write_output(args.json, runs.json_text(rows))
     return 0
@@ -355,11 +555,16 @@ def stop(proc):
 
 def run_children(cmds, env=None):
     """Run these processes at once and wait for all; on Ctrl-C or SIGTERM (KeyboardInterrupt here),
-    stop them first, so that no child outlives the benchmark. Returns (exit code, stdout, stderr)s."""
+    stop them first, so that no child outlives the benchmark. Returns (exit code, stdout,
+    stderr)s."""
     procs = []
     try:
         for cmd in cmds:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+                )
+            )
         outs = [proc.communicate() for proc in procs]
     except BaseException:
         for proc in procs:
@@ -385,11 +590,14 @@ def json_or_error(result, what):
 
 def compile_ahead(common, sizes, jobs, env):
     """--compile-jobs: every row's train step compiled in processes `jobs` at a time, into the
-    compilation cache that `env` names. Returns ({memory size: compile seconds}, 0), or (None, code)."""
+    compilation cache that `env` names. Returns ({memory size: compile seconds}, 0), or (None,
+    code)."""
     ahead = {}
-    env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # not 75% of a GPU's memory each: they share it
+    env = dict(
+        env, XLA_PYTHON_CLIENT_PREALLOCATE="false"
+    )  # not 75% of a GPU's memory each: they share it
     for i in range(0, len(sizes), jobs):
-        group = sizes[i:i + jobs]
+        group = sizes[i : i + jobs]
         results = run_children([common + ["--row", str(m), "--compile-only"] for m in group], env)
         for m, result in zip(group, results):
             row, code = json_or_error(result, f"compiling the row with memory size {m}")
@@ -408,21 +616,40 @@ def time_rows(args, common, sizes, rows, env):
         ahead, code = compile_ahead(common, sizes, args.compile_jobs, env)
         if code:
             return code
-        runs.say(f"compiled ahead: {len(sizes)} rows' train steps in {time.perf_counter() - t0:.0f} s, "
-                 f"{min(args.compile_jobs, len(sizes))} at a time")
+        runs.say(
+            f"compiled ahead: {len(sizes)} rows' train steps in {time.perf_counter() - t0:.0f} s, "
+            f"{min(args.compile_jobs, len(sizes))} at a time"
+        )
     for m in sizes:
         cmd = common + ["--row", str(m)] + (["--profile", args.profile] if args.profile else [])
-        row, code = json_or_error(run_child(cmd + (["--train-only"] if args.train_only else []), env),
-                                  f"the row with memory size {m}")
+        row, code = json_or_error(
+            run_child(cmd + (["--train-only"] if args.train_only else []), env),
+            f"the row with memory size {m}",
+        )
         if code:
             return code
         row["compiled_ahead_s"] = ahead.get(m)
         rows.append(row)
-        runs.say(f"row {m}: step {row['step_s']:.4f} s, peak {row['peak_bytes'] / 2 ** 20:.0f} MiB, compiled in "
-                 f"{row['compile_s']:.0f} s" + (f" (ahead: {ahead[m]:.0f} s)" if m in ahead else ""))
+        runs.say(
+            f"row {m}: step {row['step_s']:.4f} s, peak {row['peak_bytes'] / 2**20:.0f} MiB, "
+            "compiled in "
+            f"{row['compile_s']:.0f} s" + (f" (ahead: {ahead[m]:.0f} s)" if m in ahead else "")
+        )
     if args.rounds:
-        paired, code = json_or_error(run_child(common + ["--memory-sizes", ",".join(map(str, sizes)), "--rounds",
-                                                         str(args.rounds), "--alternate"], env), "the alternated rounds")
+        paired, code = json_or_error(
+            run_child(
+                common
+                + [
+                    "--memory-sizes",
+                    ",".join(map(str, sizes)),
+                    "--rounds",
+                    str(args.rounds),
+                    "--alternate",
+                ],
+                env,
+            ),
+            "the alternated rounds",
+        )
         if code:
             return code
         for r in rows:
@@ -437,98 +664,225 @@ PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_benchmark.
 
 def side_by_side(ours_runs, theirs_runs, sizes):
     """--peer's rows from the repeats ({size: row} each; theirs {} where the peer was skipped): each
-    ratio taken within a repeat, then the median over the repeats, with the range of ours over theirs."""
+    ratio taken within a repeat, then the median over the repeats, with the range of ours over
+    theirs."""
     med = lambda xs: statistics.median(xs) if xs else None
     rows = []
     for m in sizes:
         ours, theirs = [run[m] for run in ours_runs], [run[m] for run in theirs_runs if run]
         over = [o["step_s"] / t["step_s"] for o, t in zip(ours, theirs)]
-        ratio = lambda repeats: med([run[m]["step_s"] / run[sizes[0]]["step_s"] for run in repeats if run])
-        rows.append({"memory_size": m, "ours_step_s": med([o["step_s"] for o in ours]), "ours_ratio": ratio(ours_runs),
-                     "ours_recall": ours[0]["recall"], "theirs_step_s": med([t["step_s"] for t in theirs]),
-                     "theirs_ratio": ratio(theirs_runs), "theirs_recall": theirs[0]["recall"] if theirs else None,
-                     "ours_over_theirs": med(over), "ours_over_theirs_min": min(over, default=None),
-                     "ours_over_theirs_max": max(over, default=None), "ours_over_theirs_by_repeat": over})
+        ratio = lambda repeats: med(
+            [run[m]["step_s"] / run[sizes[0]]["step_s"] for run in repeats if run]
+        )
+        rows.append(
+            {
+                "memory_size": m,
+                "ours_step_s": med([o["step_s"] for o in ours]),
+                "ours_ratio": ratio(ours_runs),
+                "ours_recall": ours[0]["recall"],
+                "theirs_step_s": med([t["step_s"] for t in theirs]),
+                "theirs_ratio": ratio(theirs_runs),
+                "theirs_recall": theirs[0]["recall"] if theirs else None,
+                "ours_over_theirs": med(over),
+                "ours_over_theirs_min": min(over, default=None),
+                "ours_over_theirs_max": max(over, default=None),
+                "ours_over_theirs_by_repeat": over,
+            }
+        )
     return rows
 
 
 def peer_table(args, common, sizes):
-    """--peer: ours (the rows, as always) and theirs (peer_benchmark.py in the peer's Python), --repeats
-    times in turn, then the side-by-side table."""
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # no spinning threads
+    """--peer: ours (the rows, as always) and theirs (peer_benchmark.py in the peer's Python),
+    --repeats times in turn, then the side-by-side table."""
+    env = dict(
+        os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    )  # no spinning threads
     skip, _, err = run_child([args.peer, PEER, "--check"], env=env)
     if skip:
         why = (err.strip().splitlines() or [f"{args.peer} exited with code {skip}"])[-1]
-        print(f"peer: skipped: {why}" + ("" if "README" in why else "; the README's 'Against the PyTorch peer' "
-                                         "shows what to install."))
+        print(
+            f"peer: skipped: {why}"
+            + (
+                ""
+                if "README" in why
+                else "; the README's 'Against the PyTorch peer' shows what to install."
+            )
+        )
     ours_runs, theirs_runs = [], []
     for _ in range(args.repeats):
         ours_runs.append([])
         code = time_rows(args, common, sizes, ours_runs[-1], None)
         if code:
             return code
-        ours_runs[-1], theirs_runs = {r["memory_size"]: r for r in ours_runs[-1]}, theirs_runs + [{}]
+        ours_runs[-1], theirs_runs = (
+            {r["memory_size"]: r for r in ours_runs[-1]},
+            theirs_runs + [{}],
+        )
         for m in sizes if not skip else ():
-            row, code = json_or_error(run_child([args.peer, PEER, str(m), str(args.steps)], env), f"the peer's row {m}")
+            row, code = json_or_error(
+                run_child([args.peer, PEER, str(m), str(args.steps)], env), f"the peer's row {m}"
+            )
             if code:
                 return code
             theirs_runs[-1][m] = row
-    rows, f = side_by_side(ours_runs, theirs_runs, sizes), lambda x, spec: "-" if x is None else format(x, spec)
-    print(f"{ours_runs[0][sizes[0]]['device']}, medians of {runs.plural(args.steps, 'step')} and of "
-          f"{runs.plural(args.repeats, 'repeat')}" + ("" if skip else f"; peer: torch {theirs_runs[0][sizes[0]]['torch']}"
-                                                      f", {theirs_runs[0][sizes[0]]['threads']} threads"))
-    columns = (("memory_size", "memory", "d"), ("ours_step_s", "ours s", ".4f"), ("ours_ratio", "ratio", ".3f"),
-               ("ours_recall", "recall", ".3f"), ("theirs_step_s", "theirs s", ".4f"), ("theirs_ratio", "ratio", ".3f"),
-               ("theirs_recall", "recall", ".3f"), ("ours_over_theirs", "ours/theirs", ".3f"),
-               ("ours_over_theirs_min", "min", ".3f"), ("ours_over_theirs_max", "max", ".3f"))
+    rows, f = (
+        side_by_side(ours_runs, theirs_runs, sizes),
+        lambda x, spec: "-" if x is None else format(x, spec),
+    )
+    print(
+        f"{ours_runs[0][sizes[0]]['device']}, medians of {runs.plural(args.steps, 'step')} and of "
+        f"{runs.plural(args.repeats, 'repeat')}"
+        + (
+            ""
+            if skip
+            else f"; peer: torch {theirs_runs[0][sizes[0]]['torch']}"
+            f", {theirs_runs[0][sizes[0]]['threads']} threads"
+        )
+    )
+    columns = (
+        ("memory_size", "memory", "d"),
+        ("ours_step_s", "ours s", ".4f"),
+        ("ours_ratio", "ratio", ".3f"),
+        ("ours_recall", "recall", ".3f"),
+        ("theirs_step_s", "theirs s", ".4f"),
+        ("theirs_ratio", "ratio", ".3f"),
+        ("theirs_recall", "recall", ".3f"),
+        ("ours_over_theirs", "ours/theirs", ".3f"),
+        ("ours_over_theirs_min", "min", ".3f"),
+        ("ours_over_theirs_max", "max", ".3f"),
+    )
     print(" ".join(f"{title:>11}" for _, title, _ in columns))
     for r in rows:
         print(" ".join(f"{f(r[key], spec):>11}" for key, _, spec in columns))
     if args.json:
-        tag = lambda repeats: [dict(row, repeat=i) for i, run in enumerate(repeats) for row in run.values()]
-        runs.write_output(args.json, runs.json_text({"repeats": args.repeats, "rows": rows, "ours": tag(ours_runs),
-                                                     "theirs": tag(theirs_runs)}))
+        tag = lambda repeats: [
+            dict(row, repeat=i) for i, run in enumerate(repeats) for row in run.values()
+        ]
+        runs.write_output(
+            args.json,
+            runs.json_text(
+                {
+                    "repeats": args.repeats,
+                    "rows": rows,
+                    "ours": tag(ours_runs),
+                    "theirs": tag(theirs_runs),
+                }
+            ),
+        )
     return 0
 
 
 # ----------------------------------------------------------------------------- the command
 def build_parser():
     p = runs.Parser(description=__doc__.split("\n\n")[0], formatter_class=runs.HelpFormatter)
-    p.add_argument("--preset", choices=sorted(mt.PRESETS), default="tiny", help="model config to time")
-    p.add_argument("--batch-size", type=runs.positive_int, help="batch rows (preset's value if unset)")
-    p.add_argument("--memory-sizes", default="0,8192,65536", help="comma-separated memory sizes; 0 = no memory (the "
-                   "baseline)")
-    p.add_argument("--steps", type=runs.positive_int, default=5, help="timed steps per row (median reported)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="activation precision")
-    p.add_argument("--memory-dtype", choices=["float32", "bfloat16"], help="storage of the memory and XL cache "
-                   "(default: the same as --dtype)")
-    p.add_argument("--attention", choices=["explicit", "fused"], default="explicit", help="local attention "
-                   "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)")
-    p.add_argument("--ops", choices=sorted(OPS), default="fast", help="the model's pieces: kernels.FAST, or the plain "
-                   "ones of memorizing_transformer.py (what the kernels buy)")
-    p.add_argument("--json", type=runs.path_arg, help="write the rows to this file as a list of objects" + runs.REPLACED)
-    p.add_argument("--profile", type=runs.path_arg, metavar="DIR", help="also trace --steps steps of each row; print "
-                   "the XLA operations that took the most time and the largest arrays the step's operations write, "
-                   "and keep the trace, the HLO and the tables in DIR")
-    p.add_argument("--train-only", action="store_true", help="time the train step only: no forward-pass or gradient "
-                   "table (three programs fewer to compile per row)")
-    p.add_argument("--search", action="store_true", help="time the memory search alone, in its forms (the kernel's "
-                   "and the plain binned search, and the exact one), with the binned answer's recall, and its final "
-                   "top-k alone, by lax.top_k and in passes; memory size 0 is skipped")
-    p.add_argument("--rounds", type=int, default=0, help="also call every row's train step in turn in one process for "
-                   "this many rounds, and give each row's median ratio to the no-memory step of the same round "
-                   "(`paired`; steadier on a shared machine than `ratio`); 0: not done")
-    p.add_argument("--compile-jobs", type=runs.positive_int, default=1, help="first compile every row's train step, "
-                   "this many rows at a time in parallel processes, into a JAX compilation cache that the timed rows "
-                   "then load from (for a GPU, where a paper row compiles for minutes)")
-    p.add_argument("--peer", type=runs.path_arg, metavar="PYTHON", help="also time lucidrains' "
-                   "memorizing-transformers-pytorch in this Python (peer_benchmark.py) and give the side-by-side "
-                   "table; tiny preset, float32")
-    p.add_argument("--repeats", type=runs.positive_int, default=1, help="with --peer: both sides this many times in "
-                   "turn, each ratio taken within a repeat, the medians reported")
-    p.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: measure one row in this process
-    p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # internal: compile --row's step
-    p.add_argument("--alternate", action="store_true", help=argparse.SUPPRESS)  # internal: --rounds in this process
+    p.add_argument(
+        "--preset", choices=sorted(mt.PRESETS), default="tiny", help="model config to time"
+    )
+    p.add_argument(
+        "--batch-size", type=runs.positive_int, help="batch rows (preset's value if unset)"
+    )
+    p.add_argument(
+        "--memory-sizes",
+        default="0,8192,65536",
+        help="comma-separated memory sizes; 0 = no memory (the baseline)",
+    )
+    p.add_argument(
+        "--steps", type=runs.positive_int, default=5, help="timed steps per row (median reported)"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="activation precision"
+    )
+    p.add_argument(
+        "--memory-dtype",
+        choices=["float32", "bfloat16"],
+        help="storage of the memory and XL cache (default: the same as --dtype)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["explicit", "fused"],
+        default="explicit",
+        help="local attention "
+        "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)",
+    )
+    p.add_argument(
+        "--ops",
+        choices=sorted(OPS),
+        default="fast",
+        help="the model's pieces: kernels.FAST, or the plain "
+        "ones of memorizing_transformer.py (what the kernels buy)",
+    )
+    p.add_argument(
+        "--json",
+        type=runs.path_arg,
+        help="write the rows to this file as a list of objects" + runs.REPLACED,
+    )
+    p.add_argument(
+        "--profile",
+        type=runs.path_arg,
+        metavar="DIR",
+        help="also trace --steps steps of each row; print "
+        "the XLA operations that took the most time and the largest arrays the step's operations "
+        "write, "
+        "and keep the trace, the HLO and the tables in DIR",
+    )
+    p.add_argument(
+        "--train-only",
+        action="store_true",
+        help="time the train step only: no forward-pass or gradient "
+        "table (three programs fewer to compile per row)",
+    )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="time the memory search alone, in its forms (the kernel's "
+        "and the plain binned search, and the exact one), with the binned answer's recall, and its "
+        "final "
+        "top-k alone, by lax.top_k and in passes; memory size 0 is skipped",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="also call every row's train step in turn in one process for "
+        "this many rounds, and give each row's median ratio to the no-memory step of the same "
+        "round "
+        "(`paired`; steadier on a shared machine than `ratio`); 0: not done",
+    )
+    p.add_argument(
+        "--compile-jobs",
+        type=runs.positive_int,
+        default=1,
+        help="first compile every row's train step, "
+        "this many rows at a time in parallel processes, into a JAX compilation cache that the "
+        "timed rows "
+        "then load from (for a GPU, where a paper row compiles for minutes)",
+    )
+    p.add_argument(
+        "--peer",
+        type=runs.path_arg,
+        metavar="PYTHON",
+        help="also time lucidrains' "
+        "memorizing-transformers-pytorch in this Python (peer_benchmark.py) and give the "
+        "side-by-side "
+        "table; tiny preset, float32",
+    )
+    p.add_argument(
+        "--repeats",
+        type=runs.positive_int,
+        default=1,
+        help="with --peer: both sides this many times in "
+        "turn, each ratio taken within a repeat, the medians reported",
+    )
+    p.add_argument(
+        "--row", type=int, help=argparse.SUPPRESS
+    )  # internal: measure one row in this process
+    p.add_argument(
+        "--compile-only", action="store_true", help=argparse.SUPPRESS
+    )  # internal: compile --row's step
+    p.add_argument(
+        "--alternate", action="store_true", help=argparse.SUPPRESS
+    )  # internal: --rounds in this process
     return p
 
 
@@ -542,7 +896,9 @@ def memory_sizes(text, base, batch, dtype):
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise runs.UsageError(f"--memory-sizes must be comma-separated integers, got {text!r}.") from None
+        raise runs.UsageError(
+            f"--memory-sizes must be comma-separated integers, got {text!r}."
+        ) from None
     if not sizes:
         raise runs.UsageError("--memory-sizes is empty.")
     if len(set(sizes)) < len(sizes):  # rows are named by their size
@@ -558,11 +914,23 @@ def memory_sizes(text, base, batch, dtype):
 
 def check_flags(args, sizes):
     """Refuse flags that cannot go together, before anything runs."""
-    alone = {"search": "--search times the search alone, in one process", "peer": "--peer times the tiny preset's "
-             "step beside the peer's"}
-    defaults = {"train_only": False, "profile": None, "rounds": 0, "compile_jobs": 1, "search": False}
+    alone = {
+        "search": "--search times the search alone, in one process",
+        "peer": "--peer times the tiny preset's step beside the peer's",
+    }
+    defaults = {
+        "train_only": False,
+        "profile": None,
+        "rounds": 0,
+        "compile_jobs": 1,
+        "search": False,
+    }
     for flag, what in alone.items():
-        others = [f"--{o.replace('_', '-')}" for o, default in defaults.items() if o != flag and getattr(args, o) != default]
+        others = [
+            f"--{o.replace('_', '-')}"
+            for o, default in defaults.items()
+            if o != flag and getattr(args, o) != default
+        ]
         if getattr(args, flag) and others:
             raise runs.UsageError(f"{what}: it cannot be combined with {others[0]}.")
     if args.rounds < 0:
@@ -570,7 +938,9 @@ def check_flags(args, sizes):
     if args.search and not any(sizes):
         raise runs.UsageError("--search needs a memory size above 0 in --memory-sizes.")
     if args.peer and (args.preset, args.batch_size or 8, args.dtype) != ("tiny", 8, "float32"):
-        raise runs.UsageError("--peer times the tiny preset's step (batch 8, float32) beside the peer's.")
+        raise runs.UsageError(
+            "--peer times the tiny preset's step (batch 8, float32) beside the peer's."
+        )
     if args.peer and shutil.which(args.peer) is None:
         raise runs.UsageError(f"--peer {args.peer} is not a program that can be run.")
     if args.repeats > 1 and not args.peer:
@@ -586,13 +956,38 @@ def benchmark(args):
     if args.alternate:
         if not args.rounds:
             raise runs.UsageError("--alternate (internal) needs --rounds above 0.")
-        rows = alternate_rows(args.preset, batch, sizes, args.rounds, *setting, args.attention, args.ops)
+        rows = alternate_rows(
+            args.preset, batch, sizes, args.rounds, *setting, args.attention, args.ops
+        )
         return print(json.dumps(rows)) or 0
     if args.row is not None and args.compile_only:
-        return print(json.dumps(compile_row(args.preset, batch, args.row, *setting, args.attention, args.ops))) or 0
+        return (
+            print(
+                json.dumps(
+                    compile_row(args.preset, batch, args.row, *setting, args.attention, args.ops)
+                )
+            )
+            or 0
+        )
     if args.row is not None:
-        return print(json.dumps(run_row(args.preset, batch, args.row, args.steps, *setting, args.profile,
-                                        args.attention, args.train_only, args.ops))) or 0
+        return (
+            print(
+                json.dumps(
+                    run_row(
+                        args.preset,
+                        batch,
+                        args.row,
+                        args.steps,
+                        *setting,
+                        args.profile,
+                        args.attention,
+                        args.train_only,
+                        args.ops,
+                    )
+                )
+            )
+            or 0
+        )
     if args.json:
         runs.check_output_file(args.json, "json", caches=[runs.default_cache()])
     if args.profile:
@@ -600,8 +995,22 @@ def benchmark(args):
         os.makedirs(args.profile, exist_ok=True)
     if args.search:
         return search_table(args, base, batch, sizes)
-    common = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--batch-size", str(batch), "--steps",
-              str(args.steps), "--dtype", args.dtype, "--attention", args.attention, "--ops", args.ops]
+    common = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(batch),
+        "--steps",
+        str(args.steps),
+        "--dtype",
+        args.dtype,
+        "--attention",
+        args.attention,
+        "--ops",
+        args.ops,
+    ]
     common += ["--memory-dtype", args.memory_dtype] if args.memory_dtype else []
     if args.peer:
         return peer_table(args, common, sizes)
@@ -610,8 +1019,12 @@ def benchmark(args):
         cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
         if not cache:  # one of this run's, removed at the end
             cache = own_cache = tempfile.mkdtemp(prefix="benchmark-jax-cache-")
-        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env = dict(
+            os.environ,
+            JAX_COMPILATION_CACHE_DIR=cache,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
     try:
         code = time_rows(args, common, sizes, rows, env)
     finally:
@@ -633,49 +1046,97 @@ def print_rows(args, c, batch, rows):
         r["mfu"] = r["train_flops"] / r["step_s"] / peak if peak else None
         r["ratio"] = r["step_s"] / base_row["step_s"]
         r["floor_ratio"] = r["train_flops"] / base_row["train_flops"]
-        r["forward_ratio"] = r["forward_s"] / base_row["forward_s"] if r["forward_s"] and base_row["forward_s"] else None
+        r["forward_ratio"] = (
+            r["forward_s"] / base_row["forward_s"]
+            if r["forward_s"] and base_row["forward_s"]
+            else None
+        )
         r["forward_floor_ratio"] = r["forward_flops"] / base_row["forward_flops"]
         # Peak memory added by the memory, over the memory's own storage (keys and values).
-        r["peak_growth"] = ((r["peak_bytes"] - base_row["peak_bytes"]) / r["memory_bytes"]
-                            if r["memory_bytes"] and base_row["memory_size"] == 0 else None)
-    print(f"device: {rows[0]['device']} | preset {args.preset}: {c.num_layers} layers, d_model {c.d_model}, "
-          f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
-          f"{rows[-1]['memory_dtype']}, {args.attention} attention, {args.ops} ops, median of "
-          f"{runs.plural(args.steps, 'step')}")
+        r["peak_growth"] = (
+            (r["peak_bytes"] - base_row["peak_bytes"]) / r["memory_bytes"]
+            if r["memory_bytes"] and base_row["memory_size"] == 0
+            else None
+        )
+    print(
+        f"device: {rows[0]['device']} | preset {args.preset}: {c.num_layers} layers, d_model "
+        f"{c.d_model}, "
+        f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
+        f"{rows[-1]['memory_dtype']}, {args.attention} attention, {args.ops} ops, median of "
+        f"{runs.plural(args.steps, 'step')}"
+    )
     fmt = lambda x, spec=".3f": "-" if x is None else format(x, spec)
     print("\ntrain step")
-    print(f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} {'growth':>7} "
-          f"{'recall':>7}" + (f" {'MFU':>6}" if rows[0]["mfu"] is not None else "") +
-          (f" {'paired':>7} {'min':>6} {'max':>6} {'/floor':>7}" if args.rounds else ""))
+    print(
+        f"{'memory':>8} {'step s':>9} {'ratio':>7} {'floor':>7} {'tokens/s':>10} {'peak MiB':>9} "
+        f"{'growth':>7} "
+        f"{'recall':>7}"
+        + (f" {'MFU':>6}" if rows[0]["mfu"] is not None else "")
+        + (f" {'paired':>7} {'min':>6} {'max':>6} {'/floor':>7}" if args.rounds else "")
+    )
     for r in rows:
-        print(f"{r['memory_size']:>8} {r['step_s']:>9.4f} {r['ratio']:>7.3f} {r['floor_ratio']:>7.3f} "
-              f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2 ** 20:>9.0f} {fmt(r['peak_growth']):>7} "
-              f"{fmt(r['recall']):>7}" + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else "") +
-              (f" {r['paired_ratio']:>7.3f} {r['paired_min']:>6.3f} {r['paired_max']:>6.3f} "
-               f"{r['paired_ratio'] / r['floor_ratio']:>7.3f}" if args.rounds else ""))
+        print(
+            f"{r['memory_size']:>8} {r['step_s']:>9.4f} {r['ratio']:>7.3f} "
+            f"{r['floor_ratio']:>7.3f} "
+            f"{r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2**20:>9.0f} "
+            f"{fmt(r['peak_growth']):>7} "
+            f"{fmt(r['recall']):>7}"
+            + (f" {r['mfu']:>6.1%}" if r["mfu"] is not None else "")
+            + (
+                f" {r['paired_ratio']:>7.3f} {r['paired_min']:>6.3f} {r['paired_max']:>6.3f} "
+                f"{r['paired_ratio'] / r['floor_ratio']:>7.3f}"
+                if args.rounds
+                else ""
+            )
+        )
     if base_row["memory_size"]:
-        print(f"ratios (and the paired ones): over the first row (memory {base_row['memory_size']}), as "
-              f"--memory-sizes has no 0 (no memory, the baseline)")
-    print("growth: peak memory added over the no-memory row, divided by the memory's own keys and values")
+        print(
+            f"ratios (and the paired ones): over the first row (memory {base_row['memory_size']}), "
+            "as "
+            f"--memory-sizes has no 0 (no memory, the baseline)"
+        )
+    print(
+        "growth: peak memory added over the no-memory row, divided by the memory's own keys and "
+        "values"
+    )
     if args.rounds:
-        print(f"paired: median over {runs.plural(args.rounds, 'round')}, the rows' steps called in turn in one process, "
-              f"of each step's time over the no-memory step's in the same round (min, max); /floor: paired over floor")
+        print(
+            f"paired: median over {runs.plural(args.rounds, 'round')}, the rows' steps called in "
+            "turn in one process, "
+            "of each step's time over the no-memory step's in the same round (min, max); /floor: "
+            "paired over floor"
+        )
     if not args.train_only:
-        print("\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it differentiates")
-        print(f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7} {'fwd+loss s':>11} {'grad s':>9} {'grad/fwd':>9}")
+        print(
+            "\nforward pass; and (no-memory row) the loss's gradient against the forward + loss it "
+            "differentiates"
+        )
+        print(
+            f"{'memory':>8} {'fwd s':>9} {'ratio':>7} {'floor':>7} {'fwd+loss s':>11} "
+            f"{'grad s':>9} {'grad/fwd':>9}"
+        )
         for r in rows:
-            print(f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} "
-                  f"{r['forward_floor_ratio']:>7.3f} {fmt(r['loss_forward_s'], '.4f'):>11} {fmt(r['grad_s'], '.4f'):>9} "
-                  f"{fmt(r['grad_over_forward']):>9}")
+            print(
+                f"{r['memory_size']:>8} {r['forward_s']:>9.4f} {r['forward_ratio']:>7.3f} "
+                f"{r['forward_floor_ratio']:>7.3f} {fmt(r['loss_forward_s'], '.4f'):>11} "
+                f"{fmt(r['grad_s'], '.4f'):>9} "
+                f"{fmt(r['grad_over_forward']):>9}"
+            )
     for r in rows if args.profile else ():
-        print(f"\nwhere the step's time goes, memory {r['memory_size']}: ms per step by the JAX operation it came "
-              f"from ({args.profile}/profile_M{r['memory_size']}.json has every XLA operation)")
+        print(
+            f"\nwhere the step's time goes, memory {r['memory_size']}: ms per step by the JAX "
+            "operation it came "
+            f"from ({args.profile}/profile_M{r['memory_size']}.json has every XLA operation)"
+        )
         for op in r["profile"]["ops"]:
             print(f"{op['ms_per_step']:>9.2f} {op['share']:>6.1%}  {op['source'][-100:]}")
-        print(f"the largest arrays the step's operations produce, memory {r['memory_size']} (MiB, shape, operation; "
-              f"an update in place counts its whole array):")
+        print(
+            f"the largest arrays the step's operations produce, memory {r['memory_size']} (MiB, "
+            "shape, operation; "
+            f"an update in place counts its whole array):"
+        )
         for b in r["profile"]["largest_buffers"]:
-            print(f"{b['bytes'] / 2 ** 20:>9.1f}  {b['shape']:<28} {b['opcode']} {b['source'][-80:]}")
+            print(f"{b['bytes'] / 2**20:>9.1f}  {b['shape']:<28} {b['opcode']} {b['source'][-80:]}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ train.py and benchmark.py processes the tests start get them too.
 3. One compilation cache for each process of the session (pytest-xdist runs two), shared with the
    processes its tests start that run to their end, so that each program compiles once.
 4. On a CPU, LLVM's lowest optimization level and XLA's older kernel emitters: the suite is mostly
-   compiling, and these halve that; the math is the same, its float32 rounding may differ in the last bits.
+   compiling, and these halve that; the math is the same, its float32 rounding may differ in the
+   last bits.
 """
+
 import contextlib
 import os
 import shutil
@@ -23,21 +25,37 @@ if not os.path.exists("/dev/nvidiactl"):
     _flags += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _flags).strip()
 _cache = tempfile.mkdtemp(prefix="jax-cache-")
-os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=_cache,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+)
 
 import startup  # noqa: E402, F401  (malloc kept for XLA's CPU blocks, as the scripts do)
 import jax  # noqa: E402  (after the environment above)
 
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first
 
-# pytest.ini runs the suite in two processes (pytest-xdist, --dist loadgroup): one takes the tests whose
-# work is a whole command in a process of its own (these fixtures), the other every other test, so that
+# pytest.ini runs the suite in two processes (pytest-xdist, --dist loadgroup): one takes the tests
+# whose
+# work is a whole command in a process of its own (these fixtures), the other every other test, so
+# that
 # each program the in-process tests share is compiled once.
-COMMAND_FIXTURES = {"smoke_run", "three_runs_with_a_cache_dir", "runs_on_cpu_devices", "run_stopped_by_ctrl_c",
-                    "run_killed_at_random_points", "toy_benchmark", "train_only_benchmark", "table_of_two_seeds",
-                    "finetune_runs", "interrupted_train_runs", "multihost_runs", "interrupted_while_jax_starts_a_plugin",
-                    "peer_benchmark_stopped"}
+COMMAND_FIXTURES = {
+    "smoke_run",
+    "three_runs_with_a_cache_dir",
+    "runs_on_cpu_devices",
+    "run_stopped_by_ctrl_c",
+    "run_killed_at_random_points",
+    "toy_benchmark",
+    "train_only_benchmark",
+    "table_of_two_seeds",
+    "finetune_runs",
+    "interrupted_train_runs",
+    "multihost_runs",
+    "interrupted_while_jax_starts_a_plugin",
+    "peer_benchmark_stopped",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
@@ -53,7 +71,8 @@ def pytest_sessionfinish():
 
 def child_env(**extra):
     """The session's environment for a process that a test starts and may stop at any point, without
-    the session's compilation cache: a process killed while writing an entry would leave it half-written."""
+    the session's compilation cache: a process killed while writing an entry would leave it
+    half-written."""
     return dict({k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, **extra)
 
 
@@ -69,6 +88,7 @@ def finished_run(tmp_path_factory, cache):
     before they break it; none changes it. What it printed is in stdout.txt beside it."""
     import train
     from test_train import FAST
+
     out = tmp_path_factory.mktemp("runs") / "run"
     with open(out.parent / "stdout.txt", "w") as log, contextlib.redirect_stdout(log):
         assert train.main(FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]) == 0

@@ -10,6 +10,7 @@ A batch row streams one document after another, each cut into consecutive segmen
 tokens in order (never shuffled); the row's `reset` flag marks a document's first segment,
 where the model clears that row's memory and cache.
 """
+
 import hashlib
 import io
 import json
@@ -51,7 +52,7 @@ def _read_bytes(path, stats):
     return None
 
 
-def read_text(path, what, limit=2 ** 26):
+def read_text(path, what, limit=2**26):
     """The text of a file a user names (a prompt), read as a corpus file is: a regular file only, of
     at most `limit` bytes, UTF-8. DataError (one sentence) otherwise."""
     try:
@@ -60,9 +61,13 @@ def read_text(path, what, limit=2 ** 26):
             if stat.S_ISDIR(info.st_mode):
                 raise DataError(f"{what} {path} is a directory, not a file.")
             if not stat.S_ISREG(info.st_mode):
-                raise DataError(f"{what} {path} is not a regular file (a device, a pipe or a socket).")
+                raise DataError(
+                    f"{what} {path} is not a regular file (a device, a pipe or a socket)."
+                )
             if info.st_size > limit:
-                raise DataError(f"{what} {path} has {info.st_size:,} bytes, more than the {limit:,} this reads.")
+                raise DataError(
+                    f"{what} {path} has {info.st_size:,} bytes, more than the {limit:,} this reads."
+                )
             raw = f.read(limit + 1)
     except FileNotFoundError:
         raise DataError(f"{what} {path} does not exist.") from None
@@ -120,9 +125,13 @@ def _dependency_order(files):
     text = dict(files)
 
     def dependencies(name):  # the files that `name` imports, in the order of their names
-        imports = _isabelle_imports(text[name]) if name.endswith(".thy") else _python_imports(text[name])
+        imports = (
+            _isabelle_imports(text[name]) if name.endswith(".thy") else _python_imports(text[name])
+        )
         for imp in sorted(imports):
-            candidates = [c for c in stems.get(imp, []) if os.path.splitext(c)[1] == os.path.splitext(name)[1]]
+            candidates = [
+                c for c in stems.get(imp, []) if os.path.splitext(c)[1] == os.path.splitext(name)[1]
+            ]
             near = [c for c in candidates if os.path.dirname(c) == os.path.dirname(name)]
             dep = (near or candidates or [None])[0]
             if dep and dep != name:
@@ -171,6 +180,7 @@ def _walk_unit(root, rel, rng, stats, suffixes):
     Depth first, with a stack of our own rather than Python's (a tree may be nested a few
     thousand directories deep): each directory on it is (its name, its entries still to
     visit, its files, its subdirectories' walks)."""
+
     def enter(rel):
         entries = [e for e in _listdir(os.path.join(root, rel), stats) if not _skipped(e)]
         rng.shuffle(entries)
@@ -205,7 +215,10 @@ def _join_files(files):
     """One document: a header line naming each file, then the file."""
     # A file name that is not UTF-8 (bytes kept by Python as surrogates) is shown escaped.
     printable = lambda name: os.fsencode(name).decode("utf-8", "backslashreplace")
-    return "".join(f"# file: {printable(name)}\n{text}" + ("" if text.endswith("\n") else "\n") for name, text in files)
+    return "".join(
+        f"# file: {printable(name)}\n{text}" + ("" if text.endswith("\n") else "\n")
+        for name, text in files
+    )
 
 
 def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
@@ -259,7 +272,9 @@ def _walk(top, onerror=None):
                 is_dir = False
             (dirs if is_dir else files).append(entry.name)
         yield root, dirs, files
-        stack.extend(p for p in (os.path.join(root, d) for d in reversed(dirs)) if not os.path.islink(p))
+        stack.extend(
+            p for p in (os.path.join(root, d) for d in reversed(dirs)) if not os.path.islink(p)
+        )
 
 
 def _skipped(name):
@@ -280,7 +295,9 @@ def read_text_dir(path, stats=None):
     """The PG-19 layout: every .txt file below path is one document."""
     stats = stats if stats is not None else _new_stats()
     docs = []
-    for root, dirs, files in _corpus_walk(path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)):
+    for root, dirs, files in _corpus_walk(
+        path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)
+    ):
         dirs.sort()
         for f in sorted(files):
             if f.endswith(".txt"):
@@ -295,8 +312,16 @@ def read_text_dir(path, stats=None):
 def read_jsonl(path, stats=None):
     """The C4 / arXiv layout: one JSON object per line with a `text` field (.jsonl files)."""
     stats = stats if stats is not None else _new_stats()
-    paths = [path] if os.path.isfile(path) else [
-        os.path.join(r, f) for r, _, fs in sorted(_corpus_walk(path)) for f in sorted(fs) if f.endswith(".jsonl")]
+    paths = (
+        [path]
+        if os.path.isfile(path)
+        else [
+            os.path.join(r, f)
+            for r, _, fs in sorted(_corpus_walk(path))
+            for f in sorted(fs)
+            if f.endswith(".jsonl")
+        ]
+    )
     docs = []
     for p in paths:
         raw = _read_bytes(p, stats)
@@ -306,7 +331,9 @@ def read_jsonl(path, stats=None):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line.decode("utf-8-sig" if n == 1 else "utf-8"))  # a file may open with a BOM
+                obj = json.loads(
+                    line.decode("utf-8-sig" if n == 1 else "utf-8")
+                )  # a file may open with a BOM
                 text = obj["text"]
                 text.encode("utf-8")  # a lone surrogate ("\\ud800") is valid JSON but no text
             except (UnicodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
@@ -342,7 +369,7 @@ def read_stdlib(seed=0, stats=None, group=25):
             if text:
                 loose.append((e, text))
     for i in range(0, len(loose), group):
-        docs.append(Document(f"modules-{i // group:02d}", _join_files(loose[i:i + group])))
+        docs.append(Document(f"modules-{i // group:02d}", _join_files(loose[i : i + group])))
     return docs
 
 
@@ -390,7 +417,13 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
             elif r < 0.8:
                 far = [j for j in range(1, defined, 2) if pos - last[j] > 2 * segment_length + 8]
                 near = list(range(0, defined, 2))
-                i = rng.choice(far) if far and rng.random() < 0.4 else rng.choice(near) if near else None
+                i = (
+                    rng.choice(far)
+                    if far and rng.random() < 0.4
+                    else rng.choice(near)
+                    if near
+                    else None
+                )
             if i is None:
                 words = rng.choices(_FILLER, k=rng.randint(1, 2))
                 parts.append((" ".join(words) + "\n", False))
@@ -399,7 +432,9 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
             is_ref = i in last
             parts += [(names[i], False), (" " + values[i], is_ref), ("\n", False)]
             last[i], pos = pos, pos + 3
-        docs.append(Document(f"synthetic-{seed}-{d:05d}", "".join(t for t, _ in parts), tuple(parts)))
+        docs.append(
+            Document(f"synthetic-{seed}-{d:05d}", "".join(t for t, _ in parts), tuple(parts))
+        )
     return docs
 
 
@@ -444,7 +479,13 @@ def synthetic_long_documents(num_docs, distance, seed=0, num_names=16):
                 words = rng.choices(_FILLER, k=rng.randint(1, 2))
                 parts.append((" ".join(words) + "\n", False))
                 pos += len(words) + 1
-        docs.append(Document(f"synthetic-long-{distance}-{seed}-{d:03d}", "".join(t for t, _ in parts), tuple(parts)))
+        docs.append(
+            Document(
+                f"synthetic-long-{distance}-{seed}-{d:03d}",
+                "".join(t for t, _ in parts),
+                tuple(parts),
+            )
+        )
     return docs
 
 
@@ -510,18 +551,32 @@ def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
     of what was skipped. Raises DataError (one sentence) on a missing path or an empty corpus.
     suffixes (repositories only): the file name endings to read, e.g. (".py", ".c", ".h")."""
     stats = _new_stats()
-    if suffixes and (source == "stdlib" or is_synthetic(source) or (
-            os.path.exists(source) and (detect_format(source) if fmt == "auto" else fmt) not in ("repo", "repo-deps"))):
-        raise DataError(f"--suffixes applies to a repository PATH (format repo or repo-deps), not to {source!r}.")
+    if suffixes and (
+        source == "stdlib"
+        or is_synthetic(source)
+        or (
+            os.path.exists(source)
+            and (detect_format(source) if fmt == "auto" else fmt) not in ("repo", "repo-deps")
+        )
+    ):
+        raise DataError(
+            "--suffixes applies to a repository PATH (format repo or repo-deps), not to "
+            f"{source!r}."
+        )
     if source == "stdlib":
         docs = read_stdlib(seed, stats)
     elif is_synthetic(source):  # synthetic:N = N documents
         count = source.partition(":")[2] or "4000"
         if not (count.isdigit() and int(count) > 0):
-            raise DataError(f"--data {source!r}: write synthetic or synthetic:N with N a positive integer.")
+            raise DataError(
+                f"--data {source!r}: write synthetic or synthetic:N with N a positive integer."
+            )
         if int(count) > SYNTHETIC_MAX_DOCS:  # (generated in memory, about 3 KB of text each)
-            raise DataError(f"--data {source!r}: synthetic:N makes at most {SYNTHETIC_MAX_DOCS} documents (about "
-                            f"3 GB of text, half an hour to generate).")
+            raise DataError(
+                f"--data {source!r}: synthetic:N makes at most {SYNTHETIC_MAX_DOCS} documents "
+                "(about "
+                f"3 GB of text, half an hour to generate)."
+            )
         docs = synthetic_documents(int(count), seed=seed)
     else:
         if not os.path.exists(source):
@@ -530,17 +585,31 @@ def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
         if fmt in ("repo", "repo-deps"):
             if not os.path.isdir(source):
                 raise DataError(f"data path {source!r} must be a directory for format {fmt!r}.")
-            docs = read_repo(source, seed, dependency_order=fmt == "repo-deps", suffixes=suffixes, stats=stats)
+            docs = read_repo(
+                source, seed, dependency_order=fmt == "repo-deps", suffixes=suffixes, stats=stats
+            )
         elif fmt == "text":
-            docs = read_text_dir(source, stats) if os.path.isdir(source) else (
-                [Document(os.path.basename(source), t)] if (t := _read_text_file(source, stats)) and t.strip() else [])
+            docs = (
+                read_text_dir(source, stats)
+                if os.path.isdir(source)
+                else (
+                    [Document(os.path.basename(source), t)]
+                    if (t := _read_text_file(source, stats)) and t.strip()
+                    else []
+                )
+            )
         elif fmt == "jsonl":
             docs = read_jsonl(source, stats)
         else:
-            raise DataError(f"unknown data format {fmt!r}; choose auto, repo, repo-deps, text or jsonl.")
+            raise DataError(
+                f"unknown data format {fmt!r}; choose auto, repo, repo-deps, text or jsonl."
+            )
     skipped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in stats.items() if v)
     if not docs:
-        raise DataError(f"no readable document found in {source!r}" + (f" (skipped {skipped})." if skipped else "."))
+        raise DataError(
+            f"no readable document found in {source!r}"
+            + (f" (skipped {skipped})." if skipped else ".")
+        )
     if verbose and skipped:  # on stdout: stderr holds nothing but an error
         print(f"data: skipped {skipped}")
     return docs
@@ -549,12 +618,17 @@ def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
 def split_documents(docs, valid_fraction=0.05, seed=0):
     """Deterministic split by document: no document is in both. At least one of each."""
     if len(docs) < 2:
-        raise DataError(f"need at least 2 documents to split into train and validation, got {len(docs)}.")
+        raise DataError(
+            f"need at least 2 documents to split into train and validation, got {len(docs)}."
+        )
     order = sorted(range(len(docs)), key=lambda i: docs[i].id)
     random.Random(seed).shuffle(order)
     n_valid = min(len(docs) - 1, max(1, round(valid_fraction * len(docs))))
     valid = set(order[:n_valid])
-    return ([d for i, d in enumerate(docs) if i not in valid], [d for i, d in enumerate(docs) if i in valid])
+    return (
+        [d for i, d in enumerate(docs) if i not in valid],
+        [d for i, d in enumerate(docs) if i in valid],
+    )
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -565,7 +639,7 @@ def _sample_lines(docs, max_chars, seed):
     for d in docs:
         lines = d.text.splitlines(keepends=True)
         for i in range(0, len(lines), 20):
-            chunks.append("".join(lines[i:i + 20])[:4000])
+            chunks.append("".join(lines[i : i + 20])[:4000])
     rng.shuffle(chunks)
     total, out = 0, []
     for c in chunks:
@@ -580,24 +654,47 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
     """BPE SentencePiece (as in the paper) on a bounded sample. Byte fallback and identity
     normalization make decode(encode(text)) == text, newlines and indentation included."""
     import sentencepiece as spm
+
     model, lines, symbols = io.BytesIO(), _sample_lines(docs, max_chars, seed), ["\n", "\t"]
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=model,
-            vocab_size=vocab_size, hard_vocab_limit=False, model_type="bpe", character_coverage=1.0,
-            byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, allow_whitespace_only_pieces=True, user_defined_symbols=symbols,
-            pad_id=PAD_ID, unk_id=1, bos_id=-1, eos_id=-1, max_sentence_length=1 << 16,
-            num_threads=os.cpu_count() or 1, minloglevel=2)
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,
+            model_type="bpe",
+            character_coverage=1.0,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            user_defined_symbols=symbols,
+            pad_id=PAD_ID,
+            unk_id=1,
+            bos_id=-1,
+            eos_id=-1,
+            max_sentence_length=1 << 16,
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
     except RuntimeError as e:
         # Every byte (the fallback), pad and unk, and every character of the sample (coverage 1.0)
         # get a piece each; a smaller vocabulary is what usually fails here.
         chars = len(set("".join(lines)) | set(symbols))
         need = 256 + 2 + chars
-        why = (f"it needs at least {need} (256 bytes, pad and unk, and its {chars} distinct characters); "
-               f"raise --vocab-size" if vocab_size < need else str(e).strip().splitlines()[-1])
-        raise DataError(f"cannot train a tokenizer of {vocab_size} piece{'' if vocab_size == 1 else 's'} on this "
-                        f"corpus: {why}.") from None
+        why = (
+            f"it needs at least {need} (256 bytes, pad and unk, and its {chars} distinct "
+            "characters); "
+            f"raise --vocab-size"
+            if vocab_size < need
+            else str(e).strip().splitlines()[-1]
+        )
+        raise DataError(
+            f"cannot train a tokenizer of {vocab_size} piece{'' if vocab_size == 1 else 's'} on "
+            "this "
+            f"corpus: {why}."
+        ) from None
     _write_cache(path, lambda f: f.write(model.getvalue()))
     return load_tokenizer(path)
 
@@ -618,6 +715,7 @@ def _write_cache(path, write):
 
 def load_tokenizer(path):
     import sentencepiece as spm
+
     if not os.path.isfile(path):
         raise DataError(f"tokenizer file {path!r} does not exist.")
     sp = spm.SentencePieceProcessor()
@@ -681,8 +779,10 @@ def encode_document(sp, doc):
         ids = np.asarray(sp.encode(doc.text), np.int32)
         return ids, np.zeros(len(ids), bool)
     pieces = sp.encode([t for t, _ in doc.parts])  # each part alone: a reference is whole tokens
-    return (np.concatenate([np.asarray(p, np.int32) for p in pieces]),
-            np.concatenate([np.full(len(p), ref, bool) for p, (_, ref) in zip(pieces, doc.parts)]))
+    return (
+        np.concatenate([np.asarray(p, np.int32) for p in pieces]),
+        np.concatenate([np.full(len(p), ref, bool) for p, (_, ref) in zip(pieces, doc.parts)]),
+    )
 
 
 def tokenize(docs, sp, cache_path=None):
@@ -692,20 +792,32 @@ def tokenize(docs, sp, cache_path=None):
         try:
             with np.load(cache_path) as z:
                 tokens, refs, offsets = z["tokens"], z["refs"], z["offsets"]
-            return ([tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
-                    [refs[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
-        except Exception:  # noqa: BLE001  (a truncated zip, a bad array, ...: whatever np.load raises)
+            return (
+                [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
+                [refs[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
+            )
+        # noqa: BLE001  (a truncated zip, a bad array, ...: whatever np.load raises)
+        except Exception:
             print(f"note: the token cache {cache_path} cannot be read; tokenizing again.")
     plain = [d.text for d in docs if not d.parts]
     plain = iter(sp.encode(plain, num_threads=os.cpu_count() or 1)) if plain else iter(())
-    encoded = [encode_document(sp, d) if d.parts else (np.asarray(next(plain), np.int32), None) for d in docs]
+    encoded = [
+        encode_document(sp, d) if d.parts else (np.asarray(next(plain), np.int32), None)
+        for d in docs
+    ]
     encoded = [(t, np.zeros(len(t), bool) if r is None else r) for t, r in encoded]
     encoded = [(t, r) for t, r in encoded if len(t) >= 2]
     if cache_path:
         offsets = np.cumsum([0] + [len(t) for t, _ in encoded])
-        _write_cache(cache_path, lambda f: np.savez(
-            f, tokens=np.concatenate([t for t, _ in encoded] or [np.zeros(0, np.int32)]),
-            refs=np.concatenate([r for _, r in encoded] or [np.zeros(0, bool)]), offsets=offsets))
+        _write_cache(
+            cache_path,
+            lambda f: np.savez(
+                f,
+                tokens=np.concatenate([t for t, _ in encoded] or [np.zeros(0, np.int32)]),
+                refs=np.concatenate([r for _, r in encoded] or [np.zeros(0, bool)]),
+                offsets=offsets,
+            ),
+        )
     return [t for t, _ in encoded], [r for _, r in encoded]
 
 
@@ -731,8 +843,11 @@ class SegmentBatches:
             raise DataError("no document has the 2 tokens that one prediction needs.")
         if epochs is None and len(self.docs) < batch_size:
             n = len(self.docs)
-            raise DataError(f"the corpus has {n} document{'' if n == 1 else 's'}, fewer than the {batch_size} batch "
-                            f"rows; lower --batch-size or add documents.")
+            raise DataError(
+                f"the corpus has {n} document{'' if n == 1 else 's'}, fewer than the {batch_size} "
+                "batch "
+                f"rows; lower --batch-size or add documents."
+            )
         self.B, self.T, self.seed, self.epochs = batch_size, segment_length, seed, epochs
         self.epoch, self.next_doc = 0, 0  # position in the epoch's shuffled order
         self.rows = [None] * batch_size  # per row: [doc index, offset] or None (no document)
@@ -759,9 +874,14 @@ class SegmentBatches:
 
     def __next__(self):
         B, T = self.B, self.T
-        batch = {"tokens": np.full((B, T), PAD_ID, np.int32), "targets": np.full((B, T), PAD_ID, np.int32),
-                 "mask": np.zeros((B, T), bool), "reset": np.zeros(B, bool), "doc": np.full(B, -1, np.int64),
-                 "offset": np.zeros(B, np.int64)}
+        batch = {
+            "tokens": np.full((B, T), PAD_ID, np.int32),
+            "targets": np.full((B, T), PAD_ID, np.int32),
+            "mask": np.zeros((B, T), bool),
+            "reset": np.zeros(B, bool),
+            "doc": np.full(B, -1, np.int64),
+            "offset": np.zeros(B, np.int64),
+        }
         for b in range(B):
             row = self.rows[b]
             if row is None or row[1] >= len(self.docs[row[0]]) - 1:  # finished: next document
@@ -771,9 +891,9 @@ class SegmentBatches:
             if row is None:
                 continue
             doc, off = self.docs[row[0]], row[1]
-            seg = doc[off:off + T + 1]
+            seg = doc[off : off + T + 1]
             n = len(seg) - 1  # positions that have a target
-            batch["tokens"][b, :len(seg[:T])] = seg[:T]
+            batch["tokens"][b, : len(seg[:T])] = seg[:T]
             batch["targets"][b, :n] = seg[1:]
             batch["mask"][b, :n] = True
             batch["doc"][b], batch["offset"][b] = row[0], off
@@ -784,19 +904,38 @@ class SegmentBatches:
 
     def position(self):
         """A JSON-able position; restore() continues the stream identically."""
-        return {"epoch": self.epoch, "next_doc": self.next_doc, "rows": [None if r is None else list(r) for r in self.rows]}
+        return {
+            "epoch": self.epoch,
+            "next_doc": self.next_doc,
+            "rows": [None if r is None else list(r) for r in self.rows],
+        }
 
     def restore(self, pos):
         """Continue from position(). A position that does not fit these documents (a row in a
         document past the last, more or fewer rows) is a ValueError, not a later IndexError."""
         epoch, next_doc, rows = pos["epoch"], pos["next_doc"], pos["rows"]
         is_count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
-        fits = (is_count(epoch) and is_count(next_doc) and next_doc <= len(self.docs) and isinstance(rows, list)
-                and len(rows) == self.B and all(r is None or (isinstance(r, list) and len(r) == 2 and
-                                                              all(map(is_count, r)) and r[0] < len(self.docs))
-                                                for r in rows))
+        fits = (
+            is_count(epoch)
+            and is_count(next_doc)
+            and next_doc <= len(self.docs)
+            and isinstance(rows, list)
+            and len(rows) == self.B
+            and all(
+                r is None
+                or (
+                    isinstance(r, list)
+                    and len(r) == 2
+                    and all(map(is_count, r))
+                    and r[0] < len(self.docs)
+                )
+                for r in rows
+            )
+        )
         if not fits:
-            raise ValueError(f"the position {pos!r} does not fit {len(self.docs)} documents in {self.B} rows")
+            raise ValueError(
+                f"the position {pos!r} does not fit {len(self.docs)} documents in {self.B} rows"
+            )
         self.epoch, self.next_doc = epoch, next_doc
         self.rows = [None if r is None else list(r) for r in rows]
         self._order = self._epoch_order(self.epoch)
@@ -815,7 +954,9 @@ def parse_suffixes(text):
         return None
     suffixes = tuple(x.strip() for x in text.split(","))
     if not all(suffixes):
-        raise DataError(f"--suffixes takes comma-separated file name endings such as .py,.c,.h, got {text!r}.")
+        raise DataError(
+            f"--suffixes takes comma-separated file name endings such as .py,.c,.h, got {text!r}."
+        )
     return suffixes
 
 
@@ -826,17 +967,25 @@ def prepare(args, vocab_size, tokenizer_path=None):
     training and the whole validation documents). Writes only to the cache, whose every file is
     named by a hash of what determines its content."""
     os.makedirs(args.cache_dir, exist_ok=True)
-    docs = load_documents(args.data, args.data_format, seed=0, suffixes=parse_suffixes(args.suffixes))
+    docs = load_documents(
+        args.data, args.data_format, seed=0, suffixes=parse_suffixes(args.suffixes)
+    )
     train_docs, valid_docs = split_documents(docs, args.valid_fraction, seed=0)
     # the documents as read, whatever the path, format or suffixes that gave them
-    key = hashlib.sha256(f"{corpus_key(docs)}|valid_fraction {args.valid_fraction!r}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{corpus_key(docs)}|valid_fraction {args.valid_fraction!r}".encode()
+    ).hexdigest()[:16]
     if tokenizer_path:
         sp = load_tokenizer(tokenizer_path)
     else:
         sp, tokenizer_path = get_tokenizer(train_docs, vocab_size, args.cache_dir, key)
     if sp.get_piece_size() > vocab_size:
-        raise DataError(f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {vocab_size}.")
-    cache = lambda part: os.path.join(args.cache_dir, f"tokens-{key}-{file_hash(tokenizer_path)}-{part}.npz")
+        raise DataError(
+            f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {vocab_size}."
+        )
+    cache = lambda part: os.path.join(
+        args.cache_dir, f"tokens-{key}-{file_hash(tokenizer_path)}-{part}.npz"
+    )
     train, _ = tokenize(train_docs, sp, cache("train"))
     valid, refs = tokenize(valid_docs, sp, cache("valid"))
     if args.min_doc_tokens:
@@ -844,10 +993,16 @@ def prepare(args, vocab_size, tokenizer_path=None):
         keep = [i for i, t in enumerate(valid) if len(t) >= args.min_doc_tokens]
         valid, refs = [valid[i] for i in keep], [refs[i] for i in keep]
     if not train or not valid:
-        raise DataError(f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split.")
+        raise DataError(
+            f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split."
+        )
     documents = {"train": fingerprint(train), "validation": fingerprint(valid)}
-    valid = [t[:args.eval_tokens + 1] for t in valid[:args.eval_docs]]
-    refs = [r[:len(t)] for t, r in zip(valid, refs)]
+    valid = [t[: args.eval_tokens + 1] for t in valid[: args.eval_docs]]
+    refs = [r[: len(t)] for t, r in zip(valid, refs)]
     # Synthetic data: how far back each reference's value last appeared.
-    distances = [reference_distances(t, r) for t, r in zip(valid, refs)] if any(r.any() for r in refs) else None
+    distances = (
+        [reference_distances(t, r) for t, r in zip(valid, refs)]
+        if any(r.any() for r in refs)
+        else None
+    )
     return train, valid, distances, tokenizer_path, documents

@@ -5,7 +5,8 @@
   python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
   python evaluate.py explore RUN_DIR [--doc N] --out page.html
   python evaluate.py recall RUN_DIR [--memory-size M] [--dtype bfloat16]
-  python evaluate.py reach RUN_DIR [--distances 1024,4096,16384,61440] [--memory-sizes 512,2048,8192,65536]
+  python evaluate.py reach RUN_DIR [--distances 1024,4096,16384,61440] [--memory-sizes
+  512,2048,8192,65536]
   python evaluate.py finetune [--steps 1500] [--finetune-steps 500] [--out-root runs/finetune]
   python evaluate.py table [--data ...] [--steps N] [--seeds N] [--out-root DIR]
 
@@ -13,6 +14,7 @@ Every perplexity of a memory model comes with its memory-off ablation: the same 
 every gate forced to 0 (local attention only). Memory that is present but unused looks
 like memory that works; the ablation tells them apart.
 """
+
 import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
 if __name__ == "__main__":
@@ -52,28 +54,50 @@ def load_run(run_dir, memory_size=None):
     if memory_size is not None:
         try:
             config = config.replace(memory_size=memory_size)
-        except ValueError as e:  # the flag named: the config's words alone (num_neighbors, ...) are the run's
-            raise runs.UsageError(f"memory size {memory_size} does not fit the run in {run_dir}: {e}") from None
+        except (
+            ValueError
+        ) as e:  # the flag named: the config's words alone (num_neighbors, ...) are the run's
+            raise runs.UsageError(
+                f"memory size {memory_size} does not fit the run in {run_dir}: {e}"
+            ) from None
     runs.check_fits(config, 1)
     tokenizer = os.path.join(run_dir, "tokenizer.model")
     sp = data.load_tokenizer(tokenizer)
     if sp.get_piece_size() > config.vocab_size:
-        raise runs.UsageError(f"{tokenizer} has {sp.get_piece_size()} pieces, more than the run's vocab_size "
-                              f"{config.vocab_size}: it is not the run's tokenizer.")
+        raise runs.UsageError(
+            f"{tokenizer} has {sp.get_piece_size()} pieces, more than the run's vocab_size "
+            f"{config.vocab_size}: it is not the run's tokenizer."
+        )
     ckpt = os.path.join(run_dir, "checkpoint.npz")
     meta, arrays = runs.load_checkpoint(ckpt)
-    if meta.get("tokenizer") not in (None, data.file_hash(tokenizer)):  # (a checkpoint from before has none)
-        raise runs.UsageError(f"{tokenizer} is not the tokenizer the run in {run_dir} was trained with (its checkpoint "
-                              f"records another): its ids would mean other words; restore the run's own.")
+    if meta.get("tokenizer") not in (
+        None,
+        data.file_hash(tokenizer),
+    ):  # (a checkpoint from before has none)
+        raise runs.UsageError(
+            f"{tokenizer} is not the tokenizer the run in {run_dir} was trained with (its "
+            "checkpoint "
+            f"records another): its ids would mean other words; restore the run's own."
+        )
     # A run trained without memory, evaluated with one, gets fresh gates (g = 0.5): only then
     # are parameters initialized; otherwise their shapes are the template (no compile, no work).
     fresh_gates = bool(config.active_memory_layers) and not any("gate_bias" in k for k in arrays)
     init = lambda: mt.init_params(config, jax.random.PRNGKey(0))
     if fresh_gates:  # then only the gates may be missing (strict=False below)
         runs.check_same_model(jax.eval_shape(init), arrays, ckpt)
-    params = runs.restore_tree(init() if fresh_gates else jax.eval_shape(init), arrays, "params", ckpt,
-                                strict=not fresh_gates)
-    return config, params, sp, dict(saved["args"], documents=meta.get("documents"), tokenizer=meta.get("tokenizer"))
+    params = runs.restore_tree(
+        init() if fresh_gates else jax.eval_shape(init),
+        arrays,
+        "params",
+        ckpt,
+        strict=not fresh_gates,
+    )
+    return (
+        config,
+        params,
+        sp,
+        dict(saved["args"], documents=meta.get("documents"), tokenizer=meta.get("tokenizer")),
+    )
 
 
 def validation_docs(args, run_args, sp, config):
@@ -91,13 +115,23 @@ def validation_docs(args, run_args, sp, config):
     shortest = run_args.get("min_doc_tokens") or 0
     kept = [(t, r) for t, r in zip(tokens, refs) if len(t) >= shortest]
     if not kept:
-        raise runs.UsageError(f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}.")
+        raise runs.UsageError(
+            f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}."
+        )
     for t, _ in kept:
         mt.check_tokens(t, config.vocab_size)
-    known = (run_args.get("documents") or {}).get("validation") if own and fmt == run_args["data_format"] else None
+    known = (
+        (run_args.get("documents") or {}).get("validation")
+        if own and fmt == run_args["data_format"]
+        else None
+    )
     if known and data.fingerprint([t for t, _ in kept]) != known:
-        runs.say(f"note: the validation documents of {source} are not those of the run's checkpoint (the corpus, or "
-                 f"the run's tokenizer, changed since): these numbers are for the documents as they are now.")
+        runs.say(
+            f"note: the validation documents of {source} are not those of the run's checkpoint "
+            "(the corpus, or "
+            "the run's tokenizer, changed since): these numbers are for the documents as they are "
+            "now."
+        )
     return [t for t, _ in kept], [r for _, r in kept]
 
 
@@ -108,7 +142,9 @@ def per_token_loss(params, config, doc):
     state = mt.init_state(config, 1)
     losses, retrievals = [], []
     for batch in data.SegmentBatches([doc], 1, config.segment_length, epochs=1):
-        state, ce, ret = step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
+        state, ce, ret = step(
+            params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")}
+        )
         n = int(batch["mask"].sum())
         losses.append(np.asarray(ce[0, :n]))
         retrievals.append(jax.tree.map(np.asarray, ret))
@@ -118,10 +154,20 @@ def per_token_loss(params, config, doc):
 @functools.lru_cache(maxsize=8)
 def _stream_step(config):
     """forward with retrievals and per-token cross-entropy, jitted once per config."""
+
     def step(params, state, batch):
-        logits, state, ret = mt.forward(params, state, batch["tokens"], batch["reset"], config,
-                                        mask=batch["mask"], return_retrievals=True, ops=kernels.FAST)
+        logits, state, ret = mt.forward(
+            params,
+            state,
+            batch["tokens"],
+            batch["reset"],
+            config,
+            mask=batch["mask"],
+            return_retrievals=True,
+            ops=kernels.FAST,
+        )
         return state, mt.cross_entropy(logits, batch["targets"]), ret
+
     return jax.jit(step)
 
 
@@ -131,22 +177,39 @@ def cmd_perplexity(args):
     if args.exact_topk is not None:  # Sec. 3.3: the same weights with the exact or the binned top-k
         config = config.replace(exact_topk=args.exact_topk)
     docs, refs = validation_docs(args, run_args, sp, config)
-    eval_docs, eval_tokens = args.eval_docs or run_args["eval_docs"], args.eval_tokens or run_args["eval_tokens"]
-    docs = [d[:eval_tokens + 1] for d in docs[:eval_docs]]
-    refs = [r[:len(d)] for d, r in zip(docs, refs)]
+    eval_docs, eval_tokens = (
+        args.eval_docs or run_args["eval_docs"],
+        args.eval_tokens or run_args["eval_tokens"],
+    )
+    docs = [d[: eval_tokens + 1] for d in docs[:eval_docs]]
+    refs = [r[: len(d)] for d, r in zip(docs, refs)]
     # Synthetic data marks the referenced values: their loss is reported apart, by distance.
-    distances = [data.reference_distances(d, r) for d, r in zip(docs, refs)] if any(r.any() for r in refs) else None
-    result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk,
-              **train.full_evaluation(params, config, docs, distances, train.make_eval_step(train.step_config(config)))}
-    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {runs.plural(result['tokens'], 'token')})"
+    distances = (
+        [data.reference_distances(d, r) for d, r in zip(docs, refs)]
+        if any(r.any() for r in refs)
+        else None
+    )
+    result = {
+        "memory_size": config.memory_size,
+        "exact_topk": config.exact_topk,
+        **train.full_evaluation(
+            params, config, docs, distances, train.make_eval_step(train.step_config(config))
+        ),
+    }
+    tokens = runs.plural(result["tokens"], "token")
+    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {tokens})"
     if config.active_memory_layers:
         line += f" | memory off: {result['perplexity_memory_off']:.3f}"
     print(f"memory {config.memory_size}{', exact top-k' if config.exact_topk else ''}: {line}")
     for band in ("",) + tuple(f"_{b}" for b in train.DISTANCE_BANDS):
         if f"reference_loss{band}" in result:
             off = result.get(f"reference_loss{band}_memory_off")
-            print(f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss {result[f'reference_loss{band}']:.4f}"
-                  f" over {result[f'reference_tokens{band}']}" + ("" if off is None else f" (memory off: {off:.4f})"))
+            print(
+                f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss "
+                f"{result[f'reference_loss{band}']:.4f}"
+                f" over {result[f'reference_tokens{band}']}"
+                + ("" if off is None else f" (memory off: {off:.4f})")
+            )
     if args.json:
         runs.write_output(args.json, runs.json_text(result))
     return 0
@@ -155,10 +218,12 @@ def cmd_perplexity(args):
 def _doc(args, run_args, sp, config):
     docs, refs = validation_docs(args, run_args, sp, config)
     if not 0 <= args.doc < len(docs):
-        raise runs.UsageError(f"--doc {args.doc} is out of range: the validation set has "
-                         f"{runs.plural(len(docs), 'document')}.")
-    doc = docs[args.doc][:args.max_tokens + 1] if args.max_tokens else docs[args.doc]
-    return doc, refs[args.doc][:len(doc)]
+        raise runs.UsageError(
+            f"--doc {args.doc} is out of range: the validation set has "
+            f"{runs.plural(len(docs), 'document')}."
+        )
+    doc = docs[args.doc][: args.max_tokens + 1] if args.max_tokens else docs[args.doc]
+    return doc, refs[args.doc][: len(doc)]
 
 
 def token_kind(sp, token):
@@ -178,7 +243,7 @@ def context_distance(doc, n=3):
     window but within the memory is what only the memory can help to predict."""
     last, out = {}, np.zeros(len(doc), np.int64)
     for i in range(n - 1, len(doc)):
-        key = tuple(int(t) for t in doc[i - n + 1:i + 1])
+        key = tuple(int(t) for t in doc[i - n + 1 : i + 1])
         out[i] = i - last[key] if key in last else 0
         last[key] = i
     return out[1:]
@@ -189,20 +254,31 @@ def reach(distance, window, memory_size):
     attention and XL cache), in the memory, or beyond it."""
     if distance == 0:
         return "new"
-    return "window" if distance <= window else "memory" if distance <= window + memory_size else "beyond"
+    return (
+        "window"
+        if distance <= window
+        else "memory"
+        if distance <= window + memory_size
+        else "beyond"
+    )
 
 
 def cmd_compare(args):
     try:
         a, b = (int(x) for x in args.memory_sizes.split(","))
     except ValueError:
-        raise runs.UsageError(f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}.") from None
+        raise runs.UsageError(
+            f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}."
+        ) from None
     # Each size has its own parameters: a memory size of 0 has no gates, a memory one needs them.
     config_a, params_a, sp, run_args = load_run(args.run_dir, a)
     config_b, params_b, _, _ = load_run(args.run_dir, b)
     doc, _ = _doc(args, run_args, sp, config_a)
-    print(f"memory {a} vs {b}: evaluating validation document {args.doc} ({len(doc) - 1} tokens) twice...",
-          flush=True)
+    print(
+        f"memory {a} vs {b}: evaluating validation document {args.doc} ({len(doc) - 1} tokens) "
+        "twice...",
+        flush=True,
+    )
     ce_a, _ = per_token_loss(params_a, config_a, doc)
     ce_b, _ = per_token_loss(params_b, config_b, doc)
     delta = ce_a - ce_b  # Sec. 4.6: positive = the memory of size B helped
@@ -211,25 +287,47 @@ def cmd_compare(args):
     reaches = [reach(int(d), window, max(a, b)) for d in context_distance(doc)]
     table = io.StringIO(newline="")
     w = csv.writer(table)
-    w.writerow(["index", "target", "target_piece", "ce_a", "ce_b", "delta", "kind", "context_reach"])
+    w.writerow(
+        ["index", "target", "target_piece", "ce_a", "ce_b", "delta", "kind", "context_reach"]
+    )
     for i, (t, x, y, d) in enumerate(zip(doc[1:], ce_a, ce_b, delta)):
-        w.writerow([i + 1, int(t), sp.id_to_piece(int(t)), f"{x:.6f}", f"{y:.6f}", f"{d:.6f}", kinds[i], reaches[i]])
+        w.writerow(
+            [
+                i + 1,
+                int(t),
+                sp.id_to_piece(int(t)),
+                f"{x:.6f}",
+                f"{y:.6f}",
+                f"{d:.6f}",
+                kinds[i],
+                reaches[i],
+            ]
+        )
     runs.write_output(args.csv, table.getvalue())
-    print(f"memory {a} vs {b} on validation document {args.doc} ({len(delta)} tokens): mean delta "
-          f"{delta.mean():+.4f} nats, {np.mean(delta > 0):.1%} of tokens improved")
+    print(
+        f"memory {a} vs {b} on validation document {args.doc} ({len(delta)} tokens): mean delta "
+        f"{delta.mean():+.4f} nats, {np.mean(delta > 0):.1%} of tokens improved"
+    )
     for i in np.argsort(-delta)[:10]:
         print(f"  token {i + 1:6d} {sp.id_to_piece(int(doc[i + 1]))!r:>16}  delta {delta[i]:+.3f}")
     # Appendix B: which tokens gain. By kind, and by where the token's 3-token context was last
     # seen: in the local window (T + XL cache), in the memory beyond it, farther, or never.
-    for title, groups in (("kind", kinds), (f"context last seen (window {window}, memory {max(a, b)})", reaches)):
+    for title, groups in (
+        ("kind", kinds),
+        (f"context last seen (window {window}, memory {max(a, b)})", reaches),
+    ):
         print(f"by {title}:")
         for g in sorted(set(groups)):
             sel = np.array([x == g for x in groups])
-            print(f"  {g:<14} {sel.sum():7d} tokens ({sel.mean():6.1%})  mean delta {delta[sel].mean():+.4f}"
-                  f"  improved {np.mean(delta[sel] > 0):6.1%}")
+            print(
+                f"  {g:<14} {sel.sum():7d} tokens ({sel.mean():6.1%})  mean delta "
+                f"{delta[sel].mean():+.4f}"
+                f"  improved {np.mean(delta[sel] > 0):6.1%}"
+            )
     if args.plot:
         try:
             import matplotlib
+
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
@@ -261,22 +359,31 @@ def cmd_inspect(args):
     ce_off, _ = per_token_loss(mt.memory_off(params), config, doc)
     gain = ce_off - ce_on
     T = config.segment_length
-    context = lambda a, b: sp.decode([int(t) for t in doc[max(a, 0):b]])[-60:]
-    print(f"validation document {args.doc}: {len(gain)} tokens; memory lowers the loss by {gain.mean():+.4f} nats "
-          f"on average (memory off - memory on); the {args.top} largest gains:")
-    for i in np.argsort(-gain)[:args.top]:
+    context = lambda a, b: sp.decode([int(t) for t in doc[max(a, 0) : b]])[-60:]
+    print(
+        f"validation document {args.doc}: {len(gain)} tokens; memory lowers the loss by "
+        f"{gain.mean():+.4f} nats "
+        f"on average (memory off - memory on); the {args.top} largest gains:"
+    )
+    for i in np.argsort(-gain)[: args.top]:
         seg, t = divmod(int(i), T)
         r = retrievals[seg][0]  # the first memory layer
         w = r["weights"][0, :, t]  # [H, K]
         h = int(np.argmax(w.max(-1)))
-        print(f"\nquery {i}: input {sp.id_to_piece(int(doc[i]))!r} -> target {sp.id_to_piece(int(doc[i + 1]))!r} "
-              f"gain {gain[i]:+.3f} nats | context: {context(i - 40, i + 1)!r}")
+        print(
+            f"\nquery {i}: input {sp.id_to_piece(int(doc[i]))!r} -> target "
+            f"{sp.id_to_piece(int(doc[i + 1]))!r} "
+            f"gain {gain[i]:+.3f} nats | context: {context(i - 40, i + 1)!r}"
+        )
         for k in np.argsort(-w[h])[:5]:
             if w[h, k] <= 0:
                 break
             pos = slot_position(int(r["slots"][0, h, t, k]), seg, config)
-            print(f"   head {h} weight {w[h, k]:.3f} memory {pos:6d}: {sp.id_to_piece(int(doc[pos]))!r:>14} "
-                  f"| {context(pos - 30, pos + 10)!r}")
+            print(
+                f"   head {h} weight {w[h, k]:.3f} memory {pos:6d}: "
+                f"{sp.id_to_piece(int(doc[pos]))!r:>14} "
+                f"| {context(pos - 30, pos + 10)!r}"
+            )
     return 0
 
 
@@ -299,21 +406,38 @@ def cmd_recall(args):
             continue
         n = min(T, len(doc) - 1 - seg * T)  # the segment's queries; the last one's padding is none
         for la, le in zip(ra, rx):  # memory layers
-            a, b = la["slots"][0][:, :n].reshape(-1, K), le["slots"][0][:, :n].reshape(-1, K)  # [H * n, K]
+            a, b = (
+                la["slots"][0][:, :n].reshape(-1, K),
+                le["slots"][0][:, :n].reshape(-1, K),
+            )  # [H * n, K]
             hits += sum(len(set(x) & set(y)) for x, y in zip(a.tolist(), b.tolist()))
             total += b.size
     if not total:
         need = -(-K // T) * T + 1  # the first segment whose queries have K memories, plus a target
         if args.max_tokens and args.max_tokens < need:
-            raise runs.UsageError(f"--max-tokens {args.max_tokens} is too few: no query had {K} memories to choose "
-                             f"from; give at least {need} (k {K}, T {T}).")
-        raise runs.UsageError(f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
-                         f"pick a longer one with --doc.")
+            raise runs.UsageError(
+                f"--max-tokens {args.max_tokens} is too few: no query had {K} memories to choose "
+                f"from; give at least {need} (k {K}, T {T})."
+            )
+        raise runs.UsageError(
+            f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
+            f"pick a longer one with --doc."
+        )
     bins = mt.bin_layout(K, config.memory_size, config.topk_recall_target)[0]
-    result = {"memory_size": config.memory_size, "exact_topk": config.exact_topk, "k": K, "bins": bins, "recall": hits / total,
-              "expected_random": (bins / K) * (1 - (1 - 1 / bins) ** K), "retrievals": total // K}
-    print(f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on {result['retrievals']} "
-          f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)")
+    result = {
+        "memory_size": config.memory_size,
+        "exact_topk": config.exact_topk,
+        "k": K,
+        "bins": bins,
+        "recall": hits / total,
+        "expected_random": (bins / K) * (1 - (1 - 1 / bins) ** K),
+        "retrievals": total // K,
+    }
+    print(
+        f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on "
+        f"{result['retrievals']} "
+        f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)"
+    )
     if args.json:
         runs.write_output(args.json, runs.json_text(result))
     return 0
@@ -347,13 +471,27 @@ def explore_data(params, config, sp, doc, top, run_dir, index):
                         pos[seg * T + t, h, r] = slot_position(int(slots[h, t, k]), seg, config)
                         weight[seg * T + t, h, r] = round(1000 * float(w[h, t, k]))
     gain = ce_off - ce_on
-    return {"run": os.path.abspath(run_dir), "doc": index, "config": dataclasses.asdict(config),
-            "summary": {"tokens": n, "loss": float(ce_on.mean()), "loss_memory_off": float(ce_off.mean()),
-                        "mean_gain": float(gain.mean()), "improved": float(np.mean(gain > 0))},
-            "layer": config.active_memory_layers[0], "heads": config.num_heads, "top": top,
-            "ids": [int(t) for t in doc], "pieces": [token_text(sp, t) for t in doc],
-            "loss": [round(float(x), 4) for x in ce_on], "loss_memory_off": [round(float(x), 4) for x in ce_off],
-            "memory_pos": pos.ravel().tolist(), "memory_weight": weight.ravel().tolist()}
+    return {
+        "run": os.path.abspath(run_dir),
+        "doc": index,
+        "config": dataclasses.asdict(config),
+        "summary": {
+            "tokens": n,
+            "loss": float(ce_on.mean()),
+            "loss_memory_off": float(ce_off.mean()),
+            "mean_gain": float(gain.mean()),
+            "improved": float(np.mean(gain > 0)),
+        },
+        "layer": config.active_memory_layers[0],
+        "heads": config.num_heads,
+        "top": top,
+        "ids": [int(t) for t in doc],
+        "pieces": [token_text(sp, t) for t in doc],
+        "loss": [round(float(x), 4) for x in ce_on],
+        "loss_memory_off": [round(float(x), 4) for x in ce_off],
+        "memory_pos": pos.ravel().tolist(),
+        "memory_weight": weight.ravel().tolist(),
+    }
 
 
 def script_json(value):
@@ -369,89 +507,26 @@ def cmd_explore(args):
         raise runs.UsageError(f"{args.run_dir} has no memory to explore.")
     doc, _ = _doc(args, run_args, sp, config)
     page = explore_data(params, config, sp, doc, args.top, args.run_dir, args.doc)
-    runs.write_output(args.out, EXPLORE_PAGE.replace("__DATA__", script_json(page)))
+    # One self-contained file: the data as JSON, a style sheet and a script; no network.
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.html")) as f:
+        template = f.read()
+    runs.write_output(args.out, template.replace("__DATA__", script_json(page)))
     s = page["summary"]
-    print(f"{args.out}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} (memory off "
-          f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory")
+    print(
+        f"{args.out}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} "
+        "(memory off "
+        f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory"
+    )
     return 0
 
 
-# One self-contained file: the data above as JSON, a style sheet and a script; no network.
-EXPLORE_PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>Memorizing Transformer: what the memory retrieves</title>
-<style>
-body { font: 14px/1.4 system-ui, sans-serif; margin: 0; display: flex; height: 100vh; }
-#left { flex: 3; overflow: auto; padding: 12px 16px; }
-#right { flex: 2; overflow: auto; padding: 12px 16px; border-left: 1px solid #ccc; background: #fafafa; }
-#doc { font: 13px/1.5 ui-monospace, monospace; white-space: pre-wrap; }
-#doc span { cursor: pointer; border-radius: 2px; }
-#doc span.sel { outline: 2px solid #000; }
-table { border-collapse: collapse; font-size: 12px; } td, th { padding: 2px 6px; text-align: right; }
-td.ctx { text-align: left; font-family: ui-monospace, monospace; white-space: pre; }
-#scale span { display: inline-block; width: 44px; text-align: center; font-size: 11px; }
-mark { background: #ffd54f; }
-</style></head><body>
-<div id="left"><h3 id="title"></h3><div id="numbers"></div>
-<p class="legend">memory lowered the loss by (nats): <span id="scale"></span></p><div id="doc"></div></div>
-<div id="right"><p>Click a token: the memories its prediction retrieved, per head of the memory layer
-(weight = attention over the retrieved pairs; distance = tokens back).</p><div id="detail"></div>
-<details><summary>run config</summary><pre id="config"></pre></details></div>
-<script id="data" type="application/json">__DATA__</script>
-<script>
-const D = JSON.parse(document.getElementById("data").textContent);
-const H = D.heads, R = D.top, n = D.summary.tokens;
-function shade(g) {  // blue where the memory helped, red where it hurt
-  const a = Math.min(1, Math.abs(g) / 2);
-  return g >= 0 ? `rgba(30, 110, 230, ${a})` : `rgba(220, 40, 40, ${a})`;
-}
-const text = (a, b) => D.pieces.slice(Math.max(0, a), Math.max(0, b)).join("");
-const esc = (t) => t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");  // text into innerHTML
-document.getElementById("title").textContent = `${D.run}: validation document ${D.doc}`;
-document.getElementById("numbers").textContent =
-  `${n} predicted tokens | loss ${D.summary.loss.toFixed(4)} nats, memory off ` +
-  `${D.summary.loss_memory_off.toFixed(4)} | ${(100 * D.summary.improved).toFixed(1)}% of tokens improved | ` +
-  `memory layer ${D.layer}, M = ${D.config.memory_size}, T = ${D.config.segment_length}, k = ${D.config.num_neighbors}`;
-document.getElementById("config").textContent = JSON.stringify(D.config, null, 1);
-for (const g of [-2, -1, -0.5, 0, 0.5, 1, 2]) {
-  const s = document.createElement("span"); s.style.background = shade(g); s.textContent = g;
-  document.getElementById("scale").appendChild(s);
-}
-const doc = document.getElementById("doc"), frag = document.createDocumentFragment();
-D.pieces.forEach((p, j) => {  // token j is predicted at query j - 1
-  const s = document.createElement("span"); s.textContent = p; s.dataset.j = j;
-  if (j > 0) s.style.background = shade(D.loss_memory_off[j - 1] - D.loss[j - 1]);
-  frag.appendChild(s);
-});
-doc.appendChild(frag);
-let selected = null;
-function show(target) {
-  const j = +target.dataset.j;
-  if (!target.dataset.j || j === 0) return;
-  if (selected) selected.classList.remove("sel");
-  selected = target; selected.classList.add("sel");
-  const i = j - 1, on = D.loss[i], off = D.loss_memory_off[i];
-  let html = `<h4>query ${i}: ${esc(JSON.stringify(D.pieces[i]))} &rarr; ${esc(JSON.stringify(D.pieces[j]))}</h4>` +
-    `<p>loss ${on.toFixed(3)} with memory, ${off.toFixed(3)} without: gain ${(off - on).toFixed(3)} nats</p>` +
-    `<table><tr><th>head</th><th>weight</th><th>memory</th><th>distance</th><th>context</th></tr>`;
-  const line = (t) => esc(t).replace(/\\n/g, "\u23ce");  // a context on one line
-  for (let h = 0; h < H; h++) for (let r = 0; r < R; r++) {
-    const k = (i * H + h) * R + r, pos = D.memory_pos[k];
-    if (pos < 0) continue;
-    html += `<tr><td>${h}</td><td>${(D.memory_weight[k] / 1000).toFixed(3)}</td><td>${pos}</td><td>${i - pos}</td>` +
-      `<td class="ctx">${line(text(pos - 8, pos))}<mark>${line(D.pieces[pos])}</mark>${line(text(pos + 1, pos + 4))}</td></tr>`;
-  }
-  document.getElementById("detail").innerHTML = html + "</table>";
-}
-doc.addEventListener("click", (e) => show(e.target));
-const start = /token=(\\d+)/.exec(location.hash);  // page.html#token=N opens with token N selected
-if (start && doc.children[+start[1]]) { show(doc.children[+start[1]]); if (selected) selected.scrollIntoView({block: "center"}); }
-</script></body></html>
-"""
-
-
 TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, XL cache)
-    ("no memory", 0, False), ("XL cache", 0, True), ("memory 4T", 4, False),
-    ("memory 4T + XL", 4, True), ("memory 16T + XL", 16, True)]
+    ("no memory", 0, False),
+    ("XL cache", 0, True),
+    ("memory 4T", 4, False),
+    ("memory 4T + XL", 4, True),
+    ("memory 16T + XL", 16, True),
+]
 
 
 def positive_ints(text):
@@ -477,23 +552,33 @@ def within_reach(key_pos, query_pos, config):
     return back <= max(memory, 1 if config.xl_cache else 0)
 
 
-REACH_MAX_TOKENS = 20_000_000  # 30x reach's defaults; on a CPU each memory size evaluates some 10^4 tokens/s
+REACH_MAX_TOKENS = (
+    20_000_000  # 30x reach's defaults; on a CPU each memory size evaluates some 10^4 tokens/s
+)
 
 
 def cmd_reach(args):
     """Sec. 4.4: one model, memories of several sizes, references D tokens back. The probes'
     loss is low where the memory holds the definition, and at chance where it does not."""
-    probe_tokens = args.docs * sum(args.distances)  # about: each document is its distance and ~100 tokens more
+    probe_tokens = args.docs * sum(
+        args.distances
+    )  # about: each document is its distance and ~100 tokens more
     if probe_tokens > REACH_MAX_TOKENS:  # (generated in memory before the first row)
-        raise runs.UsageError(f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for about "
-                         f"{probe_tokens:,} tokens of probe documents; reach makes at most {REACH_MAX_TOKENS:,} "
-                         f"(its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,}).")
+        raise runs.UsageError(
+            f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for "
+            "about "
+            f"{probe_tokens:,} tokens of probe documents; reach makes at most {REACH_MAX_TOKENS:,} "
+            f"(its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,})."
+        )
     config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0])
     if args.exact_topk is not None:
         config = config.replace(exact_topk=args.exact_topk)
     if not data.is_synthetic(run_args["data"]):
-        raise runs.UsageError(f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic task's "
-                         f"bindings, so it needs a run trained with --data synthetic.")
+        raise runs.UsageError(
+            f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic "
+            "task's "
+            f"bindings, so it needs a run trained with --data synthetic."
+        )
     configs = []
     for m in args.memory_sizes:  # every size checked before anything runs
         try:
@@ -501,10 +586,16 @@ def cmd_reach(args):
         except ValueError as e:
             raise runs.UsageError(f"--memory-sizes {m}: {e}") from None
         runs.check_fits(configs[-1], config.batch_size)
-    steps = {m: train.make_eval_step(train.step_config(c)) for m, c in zip(args.memory_sizes, configs)}
+    steps = {
+        m: train.make_eval_step(train.step_config(c)) for m, c in zip(args.memory_sizes, configs)
+    }
     chance = math.log(len(data.SYNTHETIC_VALUES))
-    print(f"{'distance':>8} {'memory':>7} {'in reach':>9} {'far loss':>9} {'memory off':>11} {'tokens':>7} "
-          f"{'mean distance':>14} {'seconds':>8}", flush=True)
+    print(
+        f"{'distance':>8} {'memory':>7} {'in reach':>9} {'far loss':>9} {'memory off':>11} "
+        f"{'tokens':>7} "
+        f"{'mean distance':>14} {'seconds':>8}",
+        flush=True,
+    )
     rows = []
     for D in args.distances:
         docs, refs = data.tokenize(data.synthetic_long_documents(args.docs, D, seed=args.seed), sp)
@@ -513,23 +604,50 @@ def cmd_reach(args):
         dist = [data.reference_distances(t, r) for t, r in zip(docs, refs)]
         probe_pos = [np.flatnonzero(r) for r in refs]  # the probes' value tokens
         all_dist = np.concatenate([d[p] for d, p in zip(dist, probe_pos)])
-        off = train.evaluate(mt.memory_off(params), configs[0], docs, config.batch_size, steps[args.memory_sizes[0]], dist)
+        off = train.evaluate(
+            mt.memory_off(params),
+            configs[0],
+            docs,
+            config.batch_size,
+            steps[args.memory_sizes[0]],
+            dist,
+        )
         for m, c in zip(args.memory_sizes, configs):
             start = time.perf_counter()
             r = train.evaluate(params, c, docs, config.batch_size, steps[m], dist)
             # The key that answers a probe sits at the definition's value token; the query at
             # the token before the probe's value (its name).
-            held = np.mean([within_reach(p - d[p], p - 1, c) for d, ps in zip(dist, probe_pos) for p in ps])
-            rows.append({"distance": D, "memory_size": m, "exact_topk": c.exact_topk, "far_loss": r["reference_loss"],
-                         "far_loss_memory_off": off["reference_loss"], "tokens": r["reference_tokens"],
-                         "in_reach": float(held), "mean_distance": float(all_dist.mean()),
-                         "perplexity": r["perplexity"], "seconds": time.perf_counter() - start})
+            held = np.mean(
+                [within_reach(p - d[p], p - 1, c) for d, ps in zip(dist, probe_pos) for p in ps]
+            )
+            rows.append(
+                {
+                    "distance": D,
+                    "memory_size": m,
+                    "exact_topk": c.exact_topk,
+                    "far_loss": r["reference_loss"],
+                    "far_loss_memory_off": off["reference_loss"],
+                    "tokens": r["reference_tokens"],
+                    "in_reach": float(held),
+                    "mean_distance": float(all_dist.mean()),
+                    "perplexity": r["perplexity"],
+                    "seconds": time.perf_counter() - start,
+                }
+            )
             x = rows[-1]
-            print(f"{D:>8} {m:>7} {x['in_reach']:>9.0%} {x['far_loss']:>9.3f} {x['far_loss_memory_off']:>11.3f} "
-                  f"{x['tokens']:>7} {x['mean_distance']:>14.1f} {x['seconds']:>8.1f}", flush=True)
-    print(f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in "
-          f"{runs.plural(args.docs, 'document')} per distance; chance (a uniform guess over the {len(data.SYNTHETIC_VALUES)} values) is "
-          f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) holds.")
+            print(
+                f"{D:>8} {m:>7} {x['in_reach']:>9.0%} {x['far_loss']:>9.3f} "
+                f"{x['far_loss_memory_off']:>11.3f} "
+                f"{x['tokens']:>7} {x['mean_distance']:>14.1f} {x['seconds']:>8.1f}",
+                flush=True,
+            )
+    print(
+        f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in "
+        f"{runs.plural(args.docs, 'document')} per distance; chance (a uniform guess over the "
+        f"{len(data.SYNTHETIC_VALUES)} values) is "
+        f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) "
+        "holds."
+    )
     if args.json:
         runs.write_output(args.json, runs.json_text(rows))
     return 0
@@ -545,12 +663,23 @@ def check_planned_run(out, flags):
     conflict = runs.resume_conflict(args, saved, out, runs.given_flags(flags))
     if not conflict:  # and the settings no flag names, the preset's: the model's size, ...
         planned = runs.config_from_args(args)
-        conflict = next(((f"--{f.name.replace('_', '-')} {getattr(planned, f.name)}", getattr(saved["config"], f.name))
-                         for f in dataclasses.fields(mt.Config) if f.name not in runs.RESUME_MAY_CHANGE
-                         and getattr(planned, f.name) != getattr(saved["config"], f.name)), None)
+        conflict = next(
+            (
+                (
+                    f"--{f.name.replace('_', '-')} {getattr(planned, f.name)}",
+                    getattr(saved["config"], f.name),
+                )
+                for f in dataclasses.fields(mt.Config)
+                if f.name not in runs.RESUME_MAY_CHANGE
+                and getattr(planned, f.name) != getattr(saved["config"], f.name)
+            ),
+            None,
+        )
     if conflict:
-        raise runs.UsageError(f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
-                         f"choose another --out-root, or remove that run.")
+        raise runs.UsageError(
+            f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
+            f"choose another --out-root, or remove that run."
+        )
 
 
 def cache_flags(args):
@@ -567,12 +696,19 @@ def finished_or_trained(name, out, flags, steps, cache):
     reused if it has, resumed if it stopped before, trained with `flags` if it is new; cache
     (cache_flags) in both cases. An exit code instead if training fails."""
     ev = runs.read_json(os.path.join(out, "eval.json"))
-    if ev and ev.get("step") == steps and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss")):
+    if (
+        ev
+        and ev.get("step") == steps
+        and all(isinstance(ev.get(k), float) for k in ("perplexity", "loss"))
+    ):
         return ev
     resume = os.path.isfile(os.path.join(out, "config.json"))
     print(f"{'resuming' if resume else 'training'} {name} -> {out}", flush=True)
-    code = train.main(["--out", out, "--resume", "--steps", str(steps)] + cache if resume
-                      else flags + cache + ["--out", out])
+    code = train.main(
+        ["--out", out, "--resume", "--steps", str(steps)] + cache
+        if resume
+        else flags + cache + ["--out", out]
+    )
     return code or runs.read_json(os.path.join(out, "eval.json"))
 
 
@@ -583,27 +719,50 @@ def cmd_table(args):
     if not wanted:
         raise runs.UsageError(f"--rows {args.rows!r} names no row; choose from {names}.")
     if set(wanted) - set(names):
-        raise runs.UsageError(f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}.")
+        raise runs.UsageError(
+            f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}."
+        )
     T, B = args.segment_length or preset.segment_length, args.batch_size or preset.batch_size
     runs.check_writable_dir(args.out_root, "--out-root")
     cache = cache_flags(args)
     plan = []
-    for name, segments, xl in [r for r in TABLE_ROWS if r[0] in wanted]:  # every row checked before any trains
+    for name, segments, xl in [
+        r for r in TABLE_ROWS if r[0] in wanted
+    ]:  # every row checked before any trains
         base = os.path.join(args.out_root, name.replace(" ", "_").replace("+", "plus"))
-        flags = ["--data", args.data, "--steps", str(args.steps), "--segment-length", str(T),
-                 "--memory-size", str(segments * T), "--xl-cache" if xl else "--no-xl-cache",
-                 "--eval-every", "0", "--batch-size", str(B)]
-        # every setting named, the preset's where a flag is not given: a row's run of other settings is then refused
+        flags = [
+            "--data",
+            args.data,
+            "--steps",
+            str(args.steps),
+            "--segment-length",
+            str(T),
+            "--memory-size",
+            str(segments * T),
+            "--xl-cache" if xl else "--no-xl-cache",
+            "--eval-every",
+            "0",
+            "--batch-size",
+            str(B),
+        ]
+        # every setting named, the preset's where a flag is not given: a row's run of other settings
+        # is then refused
         flags += ["--num-neighbors", str(args.num_neighbors or preset.num_neighbors)]
         gate = preset.init_gate_bias if args.init_gate_bias is None else args.init_gate_bias
         flags += ["--init-gate-bias", str(gate)] if segments else []
         try:
-            config = preset.replace(segment_length=T, memory_size=segments * T, xl_cache=xl, batch_size=B,
-                                    num_neighbors=args.num_neighbors or preset.num_neighbors)
+            config = preset.replace(
+                segment_length=T,
+                memory_size=segments * T,
+                xl_cache=xl,
+                batch_size=B,
+                num_neighbors=args.num_neighbors or preset.num_neighbors,
+            )
         except ValueError as e:
             raise runs.UsageError(f"row {name!r}: {e}") from None
         runs.check_fits(config, B)
-        # Seed 0 keeps the row's directory (the runs of a one-seed table); seed s > 0 goes beside it.
+        # Seed 0 keeps the row's directory (the runs of a one-seed table); seed s > 0 goes beside
+        # it.
         seeds = [(s, base if s == 0 else f"{base}_seed{s}") for s in range(args.seeds)]
         for seed, out in seeds:
             check_planned_run(out, flags + ["--seed", str(seed)])
@@ -612,17 +771,35 @@ def cmd_table(args):
     for name, segments, xl, seeds, flags in plan:
         per_seed = []
         for seed, out in seeds:
-            ev = finished_or_trained(f"{name}, seed {seed}", out, flags + ["--seed", str(seed)], args.steps, cache)
+            ev = finished_or_trained(
+                f"{name}, seed {seed}", out, flags + ["--seed", str(seed)], args.steps, cache
+            )
             if isinstance(ev, int):
                 return ev
-            per_seed.append({"seed": seed, "run": out, "perplexity": ev["perplexity"],
-                             "perplexity_memory_off": ev.get("perplexity_memory_off"), "tokens": ev["tokens"]})
-        row = {"name": name, "memory_size": segments * T, "xl_cache": xl, "steps": args.steps,
-               "tokens": per_seed[0]["tokens"], "run": per_seed[0]["run"], "seeds": per_seed}
+            per_seed.append(
+                {
+                    "seed": seed,
+                    "run": out,
+                    "perplexity": ev["perplexity"],
+                    "perplexity_memory_off": ev.get("perplexity_memory_off"),
+                    "tokens": ev["tokens"],
+                }
+            )
+        row = {
+            "name": name,
+            "memory_size": segments * T,
+            "xl_cache": xl,
+            "steps": args.steps,
+            "tokens": per_seed[0]["tokens"],
+            "run": per_seed[0]["run"],
+            "seeds": per_seed,
+        }
         for key in ("perplexity", "perplexity_memory_off"):  # mean and sample std over the seeds
             values = [r[key] for r in per_seed]
             row[key] = None if values[0] is None else float(np.mean(values))
-            row[f"{key}_std"] = None if values[0] is None or len(values) < 2 else float(np.std(values, ddof=1))
+            row[f"{key}_std"] = (
+                None if values[0] is None or len(values) < 2 else float(np.std(values, ddof=1))
+            )
         rows.append(row)
     # The ceiling: the share of validation tokens whose 3-token context last occurred beyond
     # the row's local window but within its memory, the tokens only a memory could help with.
@@ -633,19 +810,39 @@ def cmd_table(args):
     distances = np.concatenate([context_distance(doc) for doc in docs])
     for r in rows:
         window = T + (T if r["xl_cache"] else 0)  # the segment and its XL cache, as in compare
-        r["ceiling"] = float(np.mean([reach(int(d), window, r["memory_size"]) == "memory" for d in distances]))
-    spread = lambda r, key: ("-" if r[key] is None else f"{r[key]:.3f}" if r[f"{key}_std"] is None
-                             else f"{r[key]:.2f} ± {r[f'{key}_std']:.2f}")
+        r["ceiling"] = float(
+            np.mean([reach(int(d), window, r["memory_size"]) == "memory" for d in distances])
+        )
+    spread = lambda r, key: (
+        "-"
+        if r[key] is None
+        else f"{r[key]:.3f}"
+        if r[f"{key}_std"] is None
+        else f"{r[key]:.2f} ± {r[f'{key}_std']:.2f}"
+    )
     width = 9 if args.seeds == 1 else 15
-    print(f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>{width}} {'memory off':>{width}} "
-          f"{'ceiling':>8}")
+    print(
+        f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>{width}} "
+        f"{'memory off':>{width}} "
+        f"{'ceiling':>8}"
+    )
     for r in rows:
-        print(f"{r['name']:<18} {T:>7} {r['memory_size'] or 'None':>7} {T if r['xl_cache'] else 'None':>5} "
-              f"{spread(r, 'perplexity'):>{width}} {spread(r, 'perplexity_memory_off'):>{width}} {r['ceiling']:>8.2%}")
+        print(
+            f"{r['name']:<18} {T:>7} {r['memory_size'] or 'None':>7} "
+            f"{T if r['xl_cache'] else 'None':>5} "
+            f"{spread(r, 'perplexity'):>{width}} {spread(r, 'perplexity_memory_off'):>{width}} "
+            f"{r['ceiling']:>8.2%}"
+        )
     if args.seeds > 1:
-        print(f"ppl and memory off: mean ± standard deviation over {args.seeds} seeds (init and data order)")
-    print(f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last occurred "
-          f"beyond the window (segment + XL cache) but within the row's memory")
+        print(
+            f"ppl and memory off: mean ± standard deviation over {args.seeds} seeds (init and data "
+            "order)"
+        )
+    print(
+        f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last "
+        "occurred "
+        f"beyond the window (segment + XL cache) but within the row's memory"
+    )
     runs.atomic_write(os.path.join(args.out_root, "table.json"), runs.json_text(rows))
     return 0
 
@@ -666,31 +863,70 @@ def cmd_finetune(args):
     Three runs of one preset: without memory for --steps; from it, with memory, for
     --finetune-steps more; and with memory from scratch for the same total."""
     total = args.steps + args.finetune_steps
-    common = ["--preset", args.preset, "--data", args.data, "--eval-every", str(args.eval_every),
-              "--eval-docs", str(args.eval_docs), "--eval-tokens", str(args.eval_tokens)]
-    common += sum([[f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
-                   ("segment_length", "batch_size", "num_neighbors", "memory_size") if getattr(args, k)], [])
+    common = [
+        "--preset",
+        args.preset,
+        "--data",
+        args.data,
+        "--eval-every",
+        str(args.eval_every),
+        "--eval-docs",
+        str(args.eval_docs),
+        "--eval-tokens",
+        str(args.eval_tokens),
+    ]
+    common += sum(
+        [
+            [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+            for k in ("segment_length", "batch_size", "num_neighbors", "memory_size")
+            if getattr(args, k)
+        ],
+        [],
+    )
     try:
         config = runs.config_from_args(runs.train_parser().parse_args(common))
     except runs.UsageError as e:
         raise runs.UsageError(str(e)) from None
     if not config.memory_size:
         raise runs.UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
-    # every setting named, the preset's where a flag is not given: a run of other settings is then refused
-    common += ["--segment-length", str(config.segment_length), "--batch-size", str(config.batch_size),
-               "--num-neighbors", str(config.num_neighbors), "--memory-size", str(config.memory_size)]
+    # every setting named, the preset's where a flag is not given: a run of other settings is then
+    # refused
+    common += [
+        "--segment-length",
+        str(config.segment_length),
+        "--batch-size",
+        str(config.batch_size),
+        "--num-neighbors",
+        str(config.num_neighbors),
+        "--memory-size",
+        str(config.memory_size),
+    ]
     runs.check_fits(config, config.batch_size)
     runs.check_writable_dir(args.out_root, "--out-root")
     cache = cache_flags(args)
     # A fresh start counts its steps from 0 again: its own directory, and its curve shifted.
     tuned_dir = "fine_tuned_fresh_start" if args.fresh_start else "fine_tuned"
-    dirs = {k: os.path.join(args.out_root, d) for k, d in
-            (("no_memory", "no_memory"), ("fine_tuned", tuned_dir), ("memory", "memory"))}
-    plan = [("no memory", dirs["no_memory"], common + ["--memory-size", "0", "--steps", str(args.steps)], args.steps),
-            ("fine-tuned with memory", dirs["fine_tuned"], common + ["--init-from", dirs["no_memory"], "--steps",
-             str(args.finetune_steps)] + (["--fresh-start"] if args.fresh_start else []),
-             args.finetune_steps if args.fresh_start else total),
-            ("memory from scratch", dirs["memory"], common + ["--steps", str(total)], total)]
+    dirs = {
+        k: os.path.join(args.out_root, d)
+        for k, d in (("no_memory", "no_memory"), ("fine_tuned", tuned_dir), ("memory", "memory"))
+    }
+    plan = [
+        (
+            "no memory",
+            dirs["no_memory"],
+            common + ["--memory-size", "0", "--steps", str(args.steps)],
+            args.steps,
+        ),
+        (
+            "fine-tuned with memory",
+            dirs["fine_tuned"],
+            common
+            + ["--init-from", dirs["no_memory"], "--steps", str(args.finetune_steps)]
+            + (["--fresh-start"] if args.fresh_start else []),
+            args.finetune_steps if args.fresh_start else total,
+        ),
+        ("memory from scratch", dirs["memory"], common + ["--steps", str(total)], total),
+    ]
     for _, out, flags, _ in plan:  # every run checked before any trains
         check_planned_run(out, flags)
     for name, out, flags, steps in plan:
@@ -699,26 +935,58 @@ def cmd_finetune(args):
             return ev
     scratch, before = eval_curve(dirs["memory"]), eval_curve(dirs["no_memory"])
     shift = args.steps if args.fresh_start else 0
-    tuned = {**before, **{s + shift: r for s, r in eval_curve(dirs["fine_tuned"]).items()}}  # no memory, then memory
+    tuned = {
+        **before,
+        **{s + shift: r for s, r in eval_curve(dirs["fine_tuned"]).items()},
+    }  # no memory, then memory
     # column -> metrics key: the reference losses by distance band (synthetic data), else the loss
-    cols = {b: f"reference_loss_{b}" for b in train.DISTANCE_BANDS
-            if any(f"reference_loss_{b}" in r for r in scratch.values())} or {"loss": "eval_loss"}
+    cols = {
+        b: f"reference_loss_{b}"
+        for b in train.DISTANCE_BANDS
+        if any(f"reference_loss_{b}" in r for r in scratch.values())
+    } or {"loss": "eval_loss"}
     fmt = lambda rec, c: "-" if rec is None or cols[c] not in rec else f"{rec[cols[c]]:.3f}"
-    print(f"\nloss on the references by distance (synthetic data), or validation loss; fine-tuning starts after step "
-          f"{args.steps}")
-    print(f"{'step':>6} | " + " ".join(f"{'scratch ' + c:>13}" for c in cols) + " | " +
-          " ".join(f"{'fine-tuned ' + c:>16}" for c in cols))
+    print(
+        "\nloss on the references by distance (synthetic data), or validation loss; fine-tuning "
+        "starts after step "
+        f"{args.steps}"
+    )
+    print(
+        f"{'step':>6} | "
+        + " ".join(f"{'scratch ' + c:>13}" for c in cols)
+        + " | "
+        + " ".join(f"{'fine-tuned ' + c:>16}" for c in cols)
+    )
     curve = []
     for step in sorted(set(scratch) | set(tuned)):
         a, b = scratch.get(step), tuned.get(step)
-        print(f"{step:>6} | " + " ".join(f"{fmt(a, c):>13}" for c in cols) + " | " +
-              " ".join(f"{fmt(b, c):>16}" for c in cols))
-        curve.append({"step": step, "memory_from_scratch": a, "fine_tuned": b,
-                      "fine_tuned_has_memory": step > args.steps})
+        print(
+            f"{step:>6} | "
+            + " ".join(f"{fmt(a, c):>13}" for c in cols)
+            + " | "
+            + " ".join(f"{fmt(b, c):>16}" for c in cols)
+        )
+        curve.append(
+            {
+                "step": step,
+                "memory_from_scratch": a,
+                "fine_tuned": b,
+                "fine_tuned_has_memory": step > args.steps,
+            }
+        )
     summary = os.path.join(args.out_root, f"{tuned_dir.replace('fine_tuned', 'finetune')}.json")
-    runs.atomic_write(summary, runs.json_text(
-        {"steps": args.steps, "finetune_steps": args.finetune_steps, "fresh_start": args.fresh_start,
-         "runs": dirs, "curve": curve}))
+    runs.atomic_write(
+        summary,
+        runs.json_text(
+            {
+                "steps": args.steps,
+                "finetune_steps": args.finetune_steps,
+                "fresh_start": args.fresh_start,
+                "runs": dirs,
+                "curve": curve,
+            }
+        ),
+    )
     return 0
 
 
@@ -731,113 +999,241 @@ def build_parser():
         s = sub.add_parser(name, help=help, formatter_class=runs.HelpFormatter)
         s.add_argument("run_dir", type=runs.path_arg, help="a train.py output directory")
         s.add_argument("--data", type=runs.path_arg, help="corpus (default: the run's own)")
-        s.add_argument("--data-format", choices=["auto", "repo", "repo-deps", "text", "jsonl"],
-                       help="as in train.py (default: the run's own)")
+        s.add_argument(
+            "--data-format",
+            choices=["auto", "repo", "repo-deps", "text", "jsonl"],
+            help="as in train.py (default: the run's own)",
+        )
         return s
 
     s = with_run("perplexity", "validation perplexity, with and without memory")
-    s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
-    s.add_argument("--eval-docs", type=positive, help="validation documents (default: the run's --eval-docs)")
-    s.add_argument("--eval-tokens", type=positive, help="tokens from each document's start (default: the run's)")
-    s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
-                   "approximate top-k (default: the run's)")
+    s.add_argument(
+        "--memory-size", type=count, help="evaluate with this memory size (default: the run's)"
+    )
+    s.add_argument(
+        "--eval-docs", type=positive, help="validation documents (default: the run's --eval-docs)"
+    )
+    s.add_argument(
+        "--eval-tokens",
+        type=positive,
+        help="tokens from each document's start (default: the run's)",
+    )
+    s.add_argument(
+        "--exact-topk",
+        action=argparse.BooleanOptionalAction,
+        help="exact top-k, or the binned approximate top-k (default: the run's)",
+    )
     s.add_argument("--json", type=runs.path_arg, help="write the result here" + runs.REPLACED)
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
     s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
-    s.add_argument("--csv", type=runs.path_arg, required=True, help="per-token output" + runs.REPLACED)
-    s.add_argument("--plot", type=runs.path_arg, help="a PNG of delta per token (needs matplotlib)" + runs.REPLACED)
+    s.add_argument(
+        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
+    )
+    s.add_argument(
+        "--csv", type=runs.path_arg, required=True, help="per-token output" + runs.REPLACED
+    )
+    s.add_argument(
+        "--plot",
+        type=runs.path_arg,
+        help="a PNG of delta per token (needs matplotlib)" + runs.REPLACED,
+    )
     s = with_run("inspect", "what the memory retrieves for the tokens it helps most (Tables 6-8)")
     s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument(
+        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
+    )
     s.add_argument("--top", type=positive, default=10, help="tokens to show")
-    s = with_run("explore", "an HTML page of a document: each token shaded by how much the memory lowered its "
-                 "loss, and what its prediction retrieved (Fig. 7, Appendix B)")
+    s = with_run(
+        "explore",
+        "an HTML page of a document: each token shaded by how much the memory lowered its "
+        "loss, and what its prediction retrieved (Fig. 7, Appendix B)",
+    )
     s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument(
+        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
+    )
     s.add_argument("--top", type=positive, default=4, help="memories kept per query and head")
-    s.add_argument("--out", type=runs.path_arg, required=True, help="the HTML file to write" + runs.REPLACED)
-    s = with_run("recall", "recall of the approximate top-k on a trained model's real queries and keys")
-    s.add_argument("--memory-size", type=count, help="evaluate with this memory size (default: the run's)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"], help="run the model, store the memory and score "
-                   "the search in this dtype, the exact top-k too (default: the run's)")
+    s.add_argument(
+        "--out", type=runs.path_arg, required=True, help="the HTML file to write" + runs.REPLACED
+    )
+    s = with_run(
+        "recall", "recall of the approximate top-k on a trained model's real queries and keys"
+    )
+    s.add_argument(
+        "--memory-size", type=count, help="evaluate with this memory size (default: the run's)"
+    )
+    s.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="run the model, store the memory and score "
+        "the search in this dtype, the exact top-k too (default: the run's)",
+    )
     s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument("--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)")
+    s.add_argument(
+        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
+    )
     s.add_argument("--json", type=runs.path_arg, help="write the result here" + runs.REPLACED)
-    s = sub.add_parser("reach", help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
-                       "documents with references D tokens back (the needle test)",
-                       formatter_class=runs.HelpFormatter)
-    s.add_argument("run_dir", type=runs.path_arg,
-                   help="a train.py output directory of a run trained on --data synthetic")
-    s.add_argument("--distances", type=positive_ints, default="1024,4096,16384,61440",
-                   help="comma-separated: how many tokens back each probe's value was defined")
-    s.add_argument("--memory-sizes", type=positive_ints, default="512,2048,8192,65536",
-                   help="comma-separated memory sizes M to evaluate the same weights with (multiples of T)")
+    s = sub.add_parser(
+        "reach",
+        help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
+        "documents with references D tokens back (the needle test)",
+        formatter_class=runs.HelpFormatter,
+    )
+    s.add_argument(
+        "run_dir",
+        type=runs.path_arg,
+        help="a train.py output directory of a run trained on --data synthetic",
+    )
+    s.add_argument(
+        "--distances",
+        type=positive_ints,
+        default="1024,4096,16384,61440",
+        help="comma-separated: how many tokens back each probe's value was defined",
+    )
+    s.add_argument(
+        "--memory-sizes",
+        type=positive_ints,
+        default="512,2048,8192,65536",
+        help="comma-separated memory sizes M to evaluate the same weights with (multiples of T)",
+    )
     s.add_argument("--docs", type=positive, default=8, help="documents per distance, 8 probes each")
-    s.add_argument("--exact-topk", action=argparse.BooleanOptionalAction, help="exact top-k, or the binned "
-                   "approximate top-k (default: the run's)")
+    s.add_argument(
+        "--exact-topk",
+        action=argparse.BooleanOptionalAction,
+        help="exact top-k, or the binned approximate top-k (default: the run's)",
+    )
     s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
-    s.add_argument("--json", type=runs.path_arg,
-                   help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
-                   "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds" + runs.REPLACED)
-    s = sub.add_parser("finetune", help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
-                       "memory from scratch for the same total steps", formatter_class=runs.HelpFormatter)
-    s.add_argument("--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run")
+    s.add_argument(
+        "--json",
+        type=runs.path_arg,
+        help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
+        "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds"
+        + runs.REPLACED,
+    )
+    s = sub.add_parser(
+        "finetune",
+        help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
+        "memory from scratch for the same total steps",
+        formatter_class=runs.HelpFormatter,
+    )
+    s.add_argument(
+        "--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run"
+    )
     s.add_argument("--data", type=runs.path_arg, default="synthetic", help="corpus of every run")
     s.add_argument("--steps", type=positive, default=1500, help="steps without memory")
-    s.add_argument("--finetune-steps", type=positive, default=500, help="steps of fine-tuning with memory after them")
-    s.add_argument("--fresh-start", action="store_true", help="fine-tune with a fresh step count, warmup and "
-                   "Adafactor statistics (train.py --fresh-start) instead of continuing them")
-    s.add_argument("--eval-every", type=positive, default=100, help="steps between evaluations (the curve)")
-    s.add_argument("--eval-docs", type=positive, default=16, help="validation documents per evaluation")
-    s.add_argument("--eval-tokens", type=positive, default=1024, help="tokens from each document's start")
+    s.add_argument(
+        "--finetune-steps",
+        type=positive,
+        default=500,
+        help="steps of fine-tuning with memory after them",
+    )
+    s.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="fine-tune with a fresh step count, warmup and "
+        "Adafactor statistics (train.py --fresh-start) instead of continuing them",
+    )
+    s.add_argument(
+        "--eval-every", type=positive, default=100, help="steps between evaluations (the curve)"
+    )
+    s.add_argument(
+        "--eval-docs", type=positive, default=16, help="validation documents per evaluation"
+    )
+    s.add_argument(
+        "--eval-tokens", type=positive, default=1024, help="tokens from each document's start"
+    )
     s.add_argument("--segment-length", type=positive, help="T (the preset's if unset)")
     s.add_argument("--batch-size", type=positive, help="rows (the preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (the preset's if unset)")
-    s.add_argument("--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)")
-    s.add_argument("--cache-dir", type=runs.path_arg,
-                   help="tokenizer, token and compilation cache of every run it trains or resumes "
-                   "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
-    s.add_argument("--out-root", type=runs.path_arg,
-                   default="runs/finetune", help="where the three runs go (no_memory, fine_tuned or "
-                   "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one resumed; "
-                   "finetune.json (or finetune_fresh_start.json) is written here")
-    s = sub.add_parser("table", help="Table 1 in miniature: the tiny model in the paper's rows",
-                       formatter_class=runs.HelpFormatter)
+    s.add_argument(
+        "--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)"
+    )
+    s.add_argument(
+        "--cache-dir",
+        type=runs.path_arg,
+        help="tokenizer, token and compilation cache of every run it trains or resumes "
+        "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)",
+    )
+    s.add_argument(
+        "--out-root",
+        type=runs.path_arg,
+        default="runs/finetune",
+        help="where the three runs go (no_memory, fine_tuned or "
+        "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one "
+        "resumed; "
+        "finetune.json (or finetune_fresh_start.json) is written here",
+    )
+    s = sub.add_parser(
+        "table",
+        help="Table 1 in miniature: the tiny model in the paper's rows",
+        formatter_class=runs.HelpFormatter,
+    )
     s.add_argument("--data", type=runs.path_arg, default="stdlib", help="corpus for every row")
     s.add_argument("--steps", type=positive, default=1200, help="training steps per row")
     s.add_argument("--segment-length", type=positive, help="T (tiny preset's if unset)")
     s.add_argument("--batch-size", type=positive, help="rows (tiny preset's if unset)")
     s.add_argument("--num-neighbors", type=positive, help="k (tiny preset's if unset)")
-    s.add_argument("--seeds", type=positive, default=1, help="train each row with seeds 0..N-1 (init and data "
-                   "order) and report the mean and standard deviation")
-    s.add_argument("--init-gate-bias", type=runs.finite_float, help="the memory rows' initial gate bias (train.py's "
-                   "--init-gate-bias; default: the preset's); use another --out-root for the runs")
-    s.add_argument("--rows", help="comma-separated subset of the rows (default: all): " +
-                   ", ".join(n for n, _, _ in TABLE_ROWS))
-    s.add_argument("--cache-dir", type=runs.path_arg,
-                   help="tokenizer, token and compilation cache of every run it trains or resumes "
-                   "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)")
-    s.add_argument("--out-root", type=runs.path_arg,
-                   default="runs/table", help="where the runs go; a row whose run finished at --steps "
-                   "is reused, an unfinished one is resumed")
+    s.add_argument(
+        "--seeds",
+        type=positive,
+        default=1,
+        help="train each row with seeds 0..N-1 (init and data "
+        "order) and report the mean and standard deviation",
+    )
+    s.add_argument(
+        "--init-gate-bias",
+        type=runs.finite_float,
+        help="the memory rows' initial gate bias (train.py's "
+        "--init-gate-bias; default: the preset's); use another --out-root for the runs",
+    )
+    s.add_argument(
+        "--rows",
+        help="comma-separated subset of the rows (default: all): "
+        + ", ".join(n for n, _, _ in TABLE_ROWS),
+    )
+    s.add_argument(
+        "--cache-dir",
+        type=runs.path_arg,
+        help="tokenizer, token and compilation cache of every run it trains or resumes "
+        "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)",
+    )
+    s.add_argument(
+        "--out-root",
+        type=runs.path_arg,
+        default="runs/table",
+        help="where the runs go; a row whose run finished at --steps "
+        "is reused, an unfinished one is resumed",
+    )
     return p
 
 
 def run(args):
     # No output replaces a run's files, nor goes into the run's corpus or cache, or those named.
-    run_args = ((runs.read_json(os.path.join(args.run_dir, "config.json")) or {}).get("args") or {}
-                if getattr(args, "run_dir", None) else {})
+    run_args = (
+        (runs.read_json(os.path.join(args.run_dir, "config.json")) or {}).get("args") or {}
+        if getattr(args, "run_dir", None)
+        else {}
+    )
     sources = [d for d in (run_args.get("data"), getattr(args, "data", None)) if isinstance(d, str)]
-    caches = [d for d in (run_args.get("cache_dir"), getattr(args, "cache_dir", None), runs.default_cache())
-              if isinstance(d, str)]
+    caches = [
+        d
+        for d in (run_args.get("cache_dir"), getattr(args, "cache_dir", None), runs.default_cache())
+        if isinstance(d, str)
+    ]
     for name in ("json", "csv", "plot", "out"):
         if getattr(args, name, None):
             runs.check_output_file(getattr(args, name), name, sources, caches)
-    return {"perplexity": cmd_perplexity, "compare": cmd_compare, "inspect": cmd_inspect, "explore": cmd_explore,
-            "recall": cmd_recall, "reach": cmd_reach, "finetune": cmd_finetune,
-            "table": cmd_table}[args.command](args)
+    return {
+        "perplexity": cmd_perplexity,
+        "compare": cmd_compare,
+        "inspect": cmd_inspect,
+        "explore": cmd_explore,
+        "recall": cmd_recall,
+        "reach": cmd_reach,
+        "finetune": cmd_finetune,
+        "table": cmd_table,
+    }[args.command](args)
 
 
 def main(argv=None):

@@ -6,6 +6,7 @@ signature and result (the tests hold them equal in values and gradients):
 
 What each buys, and on which backend, is in the README's table "What the kernels buy".
 """
+
 import functools
 
 import jax
@@ -28,9 +29,9 @@ def query_block(T):
 
 
 def position_bias(rel_bias, buckets, one_hot=None):
-    """The T5 bias of each (query, key) pair, rel_bias [num_buckets, H], buckets int [...] -> [H, ...].
-    A gather on a CPU. On a GPU (one_hot None) a product with the buckets' one-hot matrix, so that
-    its gradient is a matmul, not a scatter-add of every pair into num_buckets slots."""
+    """The T5 bias of each (query, key) pair, rel_bias [num_buckets, H], buckets int [...] -> [H,
+    ...]. A gather on a CPU. On a GPU (one_hot None) a product with the buckets' one-hot matrix, so
+    that its gradient is a matmul, not a scatter-add of every pair into num_buckets slots."""
     if not (backend() == "gpu" if one_hot is None else one_hot):
         return jnp.moveaxis(rel_bias[buckets], -1, 0)
     hot = jax.nn.one_hot(buckets, rel_bias.shape[0], dtype=rel_bias.dtype)  # [..., num_buckets]
@@ -44,8 +45,10 @@ def broadcast_rows(x, rows):
     return jnp.broadcast_to(x, (rows,) + x.shape)
 
 
-broadcast_rows.defvjp(lambda x, rows: (broadcast_rows(x, rows), None),
-                      lambda rows, _, g: (jnp.einsum("b,b...->...", jnp.ones((rows,), g.dtype), g),))
+broadcast_rows.defvjp(
+    lambda x, rows: (broadcast_rows(x, rows), None),
+    lambda rows, _, g: (jnp.einsum("b,b...->...", jnp.ones((rows,), g.dtype), g),),
+)
 
 
 def transpose_product(a, b, precision=None):
@@ -69,7 +72,9 @@ def _pad_rows(x, rows):
 def product_qk(q, k, precision, constant_rows=0):
     """q k^T in float32: q [..., Q, D], k [..., W, D] -> [..., Q, W]. Its gradient's k side is a
     transpose_product, and the first constant_rows keys (the XL cache's) get 0, not computed."""
-    return jnp.einsum("...qd,...wd->...qw", q, k, preferred_element_type=jnp.float32, precision=precision)
+    return jnp.einsum(
+        "...qd,...wd->...qw", q, k, preferred_element_type=jnp.float32, precision=precision
+    )
 
 
 def _product_qk_bwd(precision, constant_rows, saved, g):
@@ -80,7 +85,9 @@ def _product_qk_bwd(precision, constant_rows, saved, g):
     return dq.astype(q.dtype), _pad_rows(dk, constant_rows).astype(k.dtype)
 
 
-product_qk.defvjp(lambda q, k, precision, rows: (product_qk(q, k, precision, rows), (q, k)), _product_qk_bwd)
+product_qk.defvjp(
+    lambda q, k, precision, rows: (product_qk(q, k, precision, rows), (q, k)), _product_qk_bwd
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -92,12 +99,16 @@ def product_pv(p, v, precision, constant_rows=0):
 def _product_pv_bwd(precision, constant_rows, saved, g):
     p, v = saved
     g = g.astype(v.dtype)
-    dp = jnp.einsum("...qd,...wd->...qw", g, v, preferred_element_type=jnp.float32, precision=precision)
+    dp = jnp.einsum(
+        "...qd,...wd->...qw", g, v, preferred_element_type=jnp.float32, precision=precision
+    )
     dv = transpose_product(p[..., constant_rows:], g, precision)  # [..., W - constant_rows, D]
     return dp.astype(p.dtype), _pad_rows(dv, constant_rows).astype(v.dtype)
 
 
-product_pv.defvjp(lambda p, v, precision, rows: (product_pv(p, v, precision, rows), (p, v)), _product_pv_bwd)
+product_pv.defvjp(
+    lambda p, v, precision, rows: (product_pv(p, v, precision, rows), (p, v)), _product_pv_bwd
+)
 
 
 def local_attention(q, k, v, key_valid, rel_bias, scale, config):
@@ -110,31 +121,59 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     B, H, T, D = q.shape
     S = k.shape[2]
     # The cache is a constant (forward stops its gradient): none is computed for it here.
-    k, v = (jnp.concatenate([jax.lax.stop_gradient(x[:, :, :S - T]), x[:, :, S - T:]], axis=2) for x in (k, v))
+    k, v = (
+        jnp.concatenate([jax.lax.stop_gradient(x[:, :, : S - T]), x[:, :, S - T :]], axis=2)
+        for x in (k, v)
+    )
     Q = query_block(T)
     n, W = T // Q, min(T + Q, S)
     q_pos = (S - T) + np.arange(T).reshape(n, Q)  # [n, Q]
     starts = np.clip(q_pos[:, -1] + 1 - W, 0, S - W)  # [n]: each block's first key
-    dist = q_pos[:, :, None] - (starts[:, None] + np.arange(W))[:, None, :]  # [n, Q, W] query minus key
-    buckets = mt.relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [n, Q, W]
-    blocks = lambda x, axis: jnp.stack([jax.lax.slice_in_dim(x, s, s + W, axis=axis) for s in starts], axis=axis)
-    valid = ((dist >= 0) & (dist <= config.segment_length))[None] & blocks(key_valid, 1)[:, :, None, :]  # [B, n, Q, W]
-    bias = broadcast_rows(position_bias(rel_bias, buckets), B) + jnp.where(valid, 0.0, NEG_INF)[:, None]  # [B, H, n, Q, W]
+    dist = (
+        q_pos[:, :, None] - (starts[:, None] + np.arange(W))[:, None, :]
+    )  # [n, Q, W] query minus key
+    buckets = mt.relative_position_bucket(
+        -dist, config.num_buckets, config.max_distance
+    )  # [n, Q, W]
+    blocks = lambda x, axis: jnp.stack(
+        [jax.lax.slice_in_dim(x, s, s + W, axis=axis) for s in starts], axis=axis
+    )
+    valid = ((dist >= 0) & (dist <= config.segment_length))[None] & blocks(key_valid, 1)[
+        :, :, None, :
+    ]  # [B, n, Q, W]
+    bias = (
+        broadcast_rows(position_bias(rel_bias, buckets), B)
+        + jnp.where(valid, 0.0, NEG_INF)[:, None]
+    )  # [B, H, n, Q, W]
     qs = mt.scale_queries(q, scale).reshape(B, H, n, Q, D)
-    cached = int(np.clip(S - T - starts, 0, W).min())  # leading keys of every block that are the cache's
+    cached = int(
+        np.clip(S - T - starts, 0, W).min()
+    )  # leading keys of every block that are the cache's
     logits = product_qk(qs, blocks(k, 2), mt.precision(config), cached) + bias  # [B, H, n, Q, W]
     # The softmax normalized after the value product: the division is over D, not W. The max only
     # keeps exp() in range; it cancels, so it needs no gradient. Every valid query sees itself.
-    e = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))  # [B, H, n, Q, W]
-    out = product_pv(e.astype(v.dtype), blocks(v, 2), mt.precision(config), cached)  # [B, H, n, Q, D]
-    q_valid = key_valid[:, S - T:].reshape(B, 1, n, Q, 1)  # a padding query gets 0
+    e = jnp.exp(
+        logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    )  # [B, H, n, Q, W]
+    out = product_pv(
+        e.astype(v.dtype), blocks(v, 2), mt.precision(config), cached
+    )  # [B, H, n, Q, D]
+    q_valid = key_valid[:, S - T :].reshape(B, 1, n, Q, 1)  # a padding query gets 0
     return (out / jnp.sum(e, axis=-1, keepdims=True) * q_valid).astype(v.dtype).reshape(B, H, T, D)
 
 
 def fused_implementation(dtype, T, S, D):
     """cuDNN's flash attention where it applies (a GPU, bfloat16, even T and S, D a multiple of 8 up
-    to 128), else JAX's XLA version of the same call, which the tests hold equal to the plain one."""
-    cudnn = backend() == "gpu" and dtype == jnp.bfloat16 and T % 2 == 0 and S % 2 == 0 and D % 8 == 0 and D <= 128
+    to 128), else JAX's XLA version of the same call, which the tests hold equal to the plain
+    one."""
+    cudnn = (
+        backend() == "gpu"
+        and dtype == jnp.bfloat16
+        and T % 2 == 0
+        and S % 2 == 0
+        and D % 8 == 0
+        and D <= 128
+    )
     return "cudnn" if cudnn else "xla"
 
 
@@ -147,8 +186,12 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
     C = k.shape[2] - q.shape[2]
     prefixes = is_prefix(key_valid[:, :C]) & is_prefix(key_valid[:, C:])
     operands = (q, k, v, key_valid, rel_bias, scale)
-    return jax.lax.cond(prefixes, functools.partial(_fused, config=config),
-                        functools.partial(mt.local_attention, config=config), *operands)
+    return jax.lax.cond(
+        prefixes,
+        functools.partial(_fused, config=config),
+        functools.partial(mt.local_attention, config=config),
+        *operands,
+    )
 
 
 def is_prefix(mask):
@@ -170,13 +213,14 @@ def _fused(q, k, v, key_valid, rel_bias, scale, config):
     buckets = mt.relative_position_bucket(-dist, config.num_buckets, config.max_distance)
     impl = fused_implementation(qs.dtype, T, S, D)
     dt = qs.dtype if impl == "cudnn" else jnp.float32  # cuDNN takes a bias in the logits' dtype
-    hidden = -2.0**41 if impl == "cudnn" else NEG_INF  # JAX's cuDNN path masks bf16 with it
+    hidden = -(2.0**41) if impl == "cudnn" else NEG_INF  # JAX's cuDNN path masks bf16 with it
     window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
     bias = position_bias(rel_bias, buckets).astype(dt)  # [H, T, S]
     bias = jnp.where(window, bias, jnp.asarray(hidden, dt))[None]  # [1, H, T, S]
     lengths = (T + jnp.sum(key_valid[:, :C], axis=1)).astype(jnp.int32)  # [B]
-    out = jax.nn.dot_product_attention(qs, k, v, bias=bias, key_value_seq_lengths=lengths,
-                                       scale=1.0, implementation=impl)  # [B, T, H, D]
+    out = jax.nn.dot_product_attention(
+        qs, k, v, bias=bias, key_value_seq_lengths=lengths, scale=1.0, implementation=impl
+    )  # [B, T, H, D]
     out = out * key_valid[:, C:, None, None].astype(out.dtype)  # [B, T, H, D]
     return jnp.swapaxes(out, 1, 2)  # [B, H, T, D]
 
@@ -217,12 +261,14 @@ def _max_by_halves(x):
     """The maximum over the last axis, [..., L] -> [..., 1], as a tree of elementwise maxima."""
     while x.shape[-1] > 1:
         n, h = x.shape[-1], x.shape[-1] // 2
-        y = jnp.maximum(x[..., :h], x[..., n - h:])
-        x = y if n % 2 == 0 else jnp.concatenate([y, x[..., h:h + 1]], axis=-1)  # an odd middle waits
+        y = jnp.maximum(x[..., :h], x[..., n - h :])
+        x = (
+            y if n % 2 == 0 else jnp.concatenate([y, x[..., h : h + 1]], axis=-1)
+        )  # an odd middle waits
     return x
 
 
-def top_k_in_passes(x, k, block=2 ** 20):
+def top_k_in_passes(x, k, block=2**20):
     """lax.top_k(x, k)[0] for integer x whose entries in each row are distinct, in k passes over
     the last axis, each taking the largest entry below the last one taken. The rows go in blocks
     of at most `block` entries, which take their k passes while they are in the cache."""
@@ -237,6 +283,7 @@ def top_k_in_passes(x, k, block=2 ** 20):
         def next_largest(last, _):
             m = _max_by_halves(jnp.where(xb < last, xb, jnp.iinfo(x.dtype).min))  # [n, 1]
             return m, m
+
         first = _max_by_halves(xb)
         _, rest = jax.lax.scan(next_largest, first, None, length=k - 1)  # [k - 1, n, 1]
         return jnp.concatenate([first, jnp.moveaxis(rest[..., 0], 0, 1)], -1)
@@ -271,9 +318,17 @@ def memory_search(q, mem_k, mem_valid, scale, config):
         size = _largest_divisor_at_most(M, chunk)
 
         def candidates(_, c):
-            s = jnp.einsum("bhtd,bhmd->bhtm", qs, jax.lax.dynamic_slice_in_dim(mem_k, c * size, size, 2).astype(qs.dtype),
-                           preferred_element_type=qs.dtype)
-            s = jnp.where(jax.lax.dynamic_slice_in_dim(mem_valid, c * size, size, 1)[:, None, None], s, NEG_INF)
+            s = jnp.einsum(
+                "bhtd,bhmd->bhtm",
+                qs,
+                jax.lax.dynamic_slice_in_dim(mem_k, c * size, size, 2).astype(qs.dtype),
+                preferred_element_type=qs.dtype,
+            )
+            s = jnp.where(
+                jax.lax.dynamic_slice_in_dim(mem_valid, c * size, size, 1)[:, None, None],
+                s,
+                NEG_INF,
+            )
             vals, idx = jax.lax.top_k(s, min(K, size))  # [B, H, T, K]
             return None, (vals, idx + c * size)
 
@@ -291,9 +346,15 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     def best_so_far(best, c):  # best [B, H, L, T]: each bin's best packed key so far
         r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
         piece = jax.lax.dynamic_slice(keys, (0, 0, r, w, 0), (B, H, R, W, D)).astype(qs.dtype)
-        s = jnp.einsum("bhrwd,bhtd->bhrwt", piece, qs, preferred_element_type=qs.dtype)  # [B, H, R, W, T]
-        s = jnp.where(jax.lax.dynamic_slice(valid, (0, r, w), (B, R, W))[:, None, :, :, None], s, NEG_INF)
-        code = rows - 1 - r - jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)  # of equal scores the lower row wins
+        s = jnp.einsum(
+            "bhrwd,bhtd->bhrwt", piece, qs, preferred_element_type=qs.dtype
+        )  # [B, H, R, W, T]
+        s = jnp.where(
+            jax.lax.dynamic_slice(valid, (0, r, w), (B, R, W))[:, None, :, :, None], s, NEG_INF
+        )
+        code = (
+            rows - 1 - r - jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)
+        )  # of equal scores the lower row wins
         new = jnp.max(_pack(s, code, bits), axis=2)  # [B, H, W, T]
         old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=2)
         return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=2), None
@@ -306,7 +367,8 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     return vals, (rows - 1 - code) * L + pos
 
 
-# ----------------------------------------------------------------------------- attention over the retrieved pairs
+# ----------------------------------------------------------------------------- attention over the
+# retrieved pairs
 def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config):
     """mt.attend_to_retrieved; on a GPU (for K <= 64, whose program grows with K) as K terms."""
     if backend() == "gpu" and slots.shape[-1] <= 64:
@@ -319,13 +381,20 @@ def attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config):
     XLA fuses each term's gather, product and sum, so no [B, H, T, K, D] tensor of the retrieved
     keys or values is stored, nor kept for the backward pass."""
     take = jax.vmap(jax.vmap(lambda m, i: m[i]))  # per (b, h): [M, D], [T, K] -> [T, K, D]
-    keys, vals = take(mem_k, slots).astype(q.dtype), take(mem_v, slots).astype(q.dtype)  # [B, H, T, K, D]
+    keys, vals = (
+        take(mem_k, slots).astype(q.dtype),
+        take(mem_v, slots).astype(q.dtype),
+    )  # [B, H, T, K, D]
     f32 = lambda x: x.astype(jnp.float32)
     K = slots.shape[-1]
-    logits = jnp.stack([jnp.sum(f32(q) * f32(keys[..., k, :]), axis=-1) for k in range(K)], axis=-1)  # [B, H, T, K]
+    logits = jnp.stack(
+        [jnp.sum(f32(q) * f32(keys[..., k, :]), axis=-1) for k in range(K)], axis=-1
+    )  # [B, H, T, K]
     weights, has_memory = mt.masked_softmax(logits * scale[None, :, None, None], valid)
     w = weights.astype(q.dtype)
-    out = sum(f32(w[..., k, None]) * f32(vals[..., k, :]) for k in range(K)).astype(q.dtype)  # [B, H, T, D]
+    out = sum(f32(w[..., k, None]) * f32(vals[..., k, :]) for k in range(K)).astype(
+        q.dtype
+    )  # [B, H, T, D]
     return out, weights, has_memory
 
 

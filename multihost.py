@@ -1,4 +1,5 @@
-"""Several processes, one run: data parallelism past one machine, on JAX's own multi-process runtime.
+"""Several processes, one run: data parallelism past one machine, on JAX's own multi-process
+runtime.
 
 Every process runs train.py with the same flags but its --process-id (one process per host, each
 with its local devices). jax.distributed connects them; the devices of all processes form one
@@ -7,6 +8,7 @@ order, so process p holds the rows [p B/P, (p+1) B/P) and their memories. Every 
 same data stream and places only its own rows; the parameters are replicated. The global batch,
 and so the run, is the same whatever the number of processes. Process 0 writes the run's files.
 """
+
 import functools
 import hashlib
 import io
@@ -23,19 +25,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import data
 import runs
 
-# What SLURM's srun sets in each task (a variable only its tasks have, their count, this one's rank),
+# What SLURM's srun sets in each task (a variable only its tasks have, their count, this one's
+# rank),
 # read where no flag is given; JAX finds the coordinator from the job's nodes and id itself.
 SLURM = ("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
 
 
 def settings(args):
     """(coordinator or None, number of processes, process id, whether a launcher gave them) from the
-    flags, else from the environment: JAX_COORDINATOR_ADDRESS, and a launcher's task count and rank."""
+    flags, else from the environment: JAX_COORDINATOR_ADDRESS, and a launcher's task count and
+    rank."""
     coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
     n, pid = args.num_processes, args.process_id
     present, count, rank = SLURM
-    if n is None and pid is None and present in os.environ and os.environ.get(count, "").isdigit() and \
-            os.environ.get(rank, "").isdigit():
+    if (
+        n is None
+        and pid is None
+        and present in os.environ
+        and os.environ.get(count, "").isdigit()
+        and os.environ.get(rank, "").isdigit()
+    ):
         return coordinator, int(os.environ[count]), int(os.environ[rank]), True
     return coordinator, n, pid, False
 
@@ -43,37 +52,57 @@ def settings(args):
 def start(args):
     """Join the run's other processes, before JAX starts its backend. Alone (no flag, no launcher)
     nothing happens. Refused in one sentence: flags or --out missing, a process id out of range, a
-    coordinator that cannot be reached within --coordinator-timeout, or its port taken on process 0's
-    host."""
+    coordinator that cannot be reached within --coordinator-timeout, or its port taken on process
+    0's host."""
     coordinator, n, pid, launched = settings(args)
     if args.coordinator is None and n is None and pid is None:
         return
     if n is None or pid is None:
-        raise runs.UsageError("several processes need --num-processes and --process-id, both (or a launcher's "
-                              "SLURM_NTASKS and SLURM_PROCID).")
+        raise runs.UsageError(
+            "several processes need --num-processes and --process-id, both (or a launcher's "
+            "SLURM_NTASKS and SLURM_PROCID)."
+        )
     if pid >= n:
-        raise runs.UsageError(f"--process-id {pid} is out of range for --num-processes {n}: the ids are 0 to {n - 1}.")
+        raise runs.UsageError(
+            f"--process-id {pid} is out of range for --num-processes {n}: the ids are 0 to {n - 1}."
+        )
     args.num_processes, args.process_id = n, pid  # (config.json records them: process 0's)
     if n == 1:
         return
     if coordinator is None and not launched:
-        raise runs.UsageError("several processes need --coordinator HOST:PORT, process 0's host and a free port, "
-                              "the same for every process.")
+        raise runs.UsageError(
+            "several processes need --coordinator HOST:PORT, process 0's host and a free port, "
+            "the same for every process."
+        )
     if args.out is None:  # (each process would name its own runs/<time>)
-        raise runs.UsageError("several processes train one run: give --out, the same directory for every process.")
+        raise runs.UsageError(
+            "several processes train one run: give --out, the same directory for every process."
+        )
     timeout = args.coordinator_timeout
     if coordinator and pid == 0:
         check_port_free(coordinator)
     elif coordinator:
         wait_for(coordinator, timeout)
-    if coordinator and {"http_proxy", "https_proxy", "grpc_proxy"} & {k.lower() for k in os.environ}:
-        host = _address(coordinator)[0]  # (gRPC, which joins the processes, would go through the proxy)
-        os.environ["no_grpc_proxy"] = ",".join(filter(None, [os.environ.get("no_grpc_proxy"), host]))
+    if coordinator and {"http_proxy", "https_proxy", "grpc_proxy"} & {
+        k.lower() for k in os.environ
+    }:
+        host = _address(coordinator)[
+            0
+        ]  # (gRPC, which joins the processes, would go through the proxy)
+        os.environ["no_grpc_proxy"] = ",".join(
+            filter(None, [os.environ.get("no_grpc_proxy"), host])
+        )
     native_output_to_stderr()
     # Where the others do not all join within the timeout, or one stops answering later, JAX's
     # runtime ends this process itself, with its own message.
-    jax.distributed.initialize(coordinator, n, pid, initialization_timeout=int(timeout),
-                               heartbeat_timeout_seconds=int(timeout), shutdown_timeout_seconds=int(timeout))
+    jax.distributed.initialize(
+        coordinator,
+        n,
+        pid,
+        initialization_timeout=int(timeout),
+        heartbeat_timeout_seconds=int(timeout),
+        shutdown_timeout_seconds=int(timeout),
+    )
 
 
 def native_output_to_stderr():
@@ -82,8 +111,12 @@ def native_output_to_stderr():
     sys.stdout.flush()
     own = os.dup(1)
     os.dup2(2, 1)
-    sys.stdout = io.TextIOWrapper(os.fdopen(own, "wb"), encoding=sys.stdout.encoding, errors=sys.stdout.errors,
-                                  line_buffering=True)
+    sys.stdout = io.TextIOWrapper(
+        os.fdopen(own, "wb"),
+        encoding=sys.stdout.encoding,
+        errors=sys.stdout.errors,
+        line_buffering=True,
+    )
 
 
 def _address(coordinator):
@@ -95,12 +128,17 @@ def check_port_free(coordinator):
     """Process 0 serves the coordinator: its port must be free on this host."""
     _, port = _address(coordinator)
     try:
-        with socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True) \
-                if socket.has_dualstack_ipv6() else socket.create_server(("", port)):
+        with (
+            socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+            if socket.has_dualstack_ipv6()
+            else socket.create_server(("", port))
+        ):
             pass
     except OSError:
-        raise runs.UsageError(f"the coordinator's port {port} is in use on this host: choose another port in "
-                              f"--coordinator, the same for every process.") from None
+        raise runs.UsageError(
+            f"the coordinator's port {port} is in use on this host: choose another port in "
+            f"--coordinator, the same for every process."
+        ) from None
 
 
 def wait_for(coordinator, timeout):
@@ -109,13 +147,17 @@ def wait_for(coordinator, timeout):
     end = time.monotonic() + timeout
     while True:
         try:
-            socket.create_connection((host, port), timeout=max(0.1, min(2.0, end - time.monotonic()))).close()
+            socket.create_connection(
+                (host, port), timeout=max(0.1, min(2.0, end - time.monotonic()))
+            ).close()
             return
         except OSError:
             if time.monotonic() >= end:
-                raise runs.UsageError(f"cannot reach the coordinator {coordinator} within {timeout:g} s "
-                                      f"(--coordinator-timeout): start process 0 there, or check the host and "
-                                      f"port.") from None
+                raise runs.UsageError(
+                    f"cannot reach the coordinator {coordinator} within {timeout:g} s "
+                    f"(--coordinator-timeout): start process 0 there, or check the host and "
+                    f"port."
+                ) from None
             time.sleep(0.2)
 
 
@@ -129,7 +171,8 @@ def is_main():
 
 @functools.lru_cache(maxsize=1)  # one mesh for every step's batch
 def mesh():
-    """Every process's devices, process 0's first: the rows of the batch go to them in this order."""
+    """Every process's devices, process 0's first: the rows of the batch go to them in this
+    order."""
     return Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("data",))
 
 
@@ -141,16 +184,19 @@ def place(tree, rows):
     def one(x):
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
     return jax.tree.map(one, tree)
 
 
 def gather(tree):
     """Host (numpy) values of global arrays, whole, on every process; a collective where rows lie
     on other processes, so every process calls it at the same point."""
+
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
             return np.asarray(x)
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
     return jax.tree.map(one, tree)
 
 
@@ -158,9 +204,11 @@ def _texts(text):
     """Every process's text, gathered (utf-8, at most 4096 bytes)."""
     raw = text.encode()[:4096]
     buffer = np.zeros(4098, np.uint8)
-    buffer[:2], buffer[2:2 + len(raw)] = divmod(len(raw), 256), np.frombuffer(raw, np.uint8)
-    return [bytes(b[2:2 + 256 * int(b[0]) + int(b[1])]).decode(errors="replace")
-            for b in np.asarray(multihost_utils.process_allgather(buffer))]
+    buffer[:2], buffer[2 : 2 + len(raw)] = divmod(len(raw), 256), np.frombuffer(raw, np.uint8)
+    return [
+        bytes(b[2 : 2 + 256 * int(b[0]) + int(b[1])]).decode(errors="replace")
+        for b in np.asarray(multihost_utils.process_allgather(buffer))
+    ]
 
 
 def agree(fn):
@@ -188,8 +236,10 @@ def check_same(what):
         texts = _texts(hashlib.sha256(what.encode()).hexdigest())
         other = next((i for i, t in enumerate(texts) if t != texts[0]), None)
         if other is not None:
-            raise runs.UsageError(f"process {other} has other flags or data than process 0: start every process "
-                                  f"with the same flags but --process-id, on the same corpus.")
+            raise runs.UsageError(
+                f"process {other} has other flags or data than process 0: start every process "
+                f"with the same flags but --process-id, on the same corpus."
+            )
 
 
 def any_of(flag):

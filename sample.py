@@ -14,6 +14,7 @@ logits at the last real position are read; the state that call returns is droppe
 new token costs one forward pass over T positions where an incremental key/value cache
 would compute one: simple, and the logits are exactly those of streaming the whole text.
 """
+
 import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
 if __name__ == "__main__":
@@ -37,8 +38,11 @@ import runs
 def _segment_step(config):
     """forward over one segment of one row, jitted once per config; the state is not donated
     (a partial segment's call must leave it as it was)."""
-    return jax.jit(lambda params, state, tokens, reset, mask: mt.forward(params, state, tokens, reset, config,
-                                                                         mask=mask, ops=kernels.FAST))
+    return jax.jit(
+        lambda params, state, tokens, reset, mask: mt.forward(
+            params, state, tokens, reset, config, mask=mask, ops=kernels.FAST
+        )
+    )
 
 
 def next_token(logits, temperature, top_k, rng):
@@ -47,7 +51,9 @@ def next_token(logits, temperature, top_k, rng):
     if temperature == 0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64)
-    with np.errstate(over="ignore"):  # <= 0, so a tiny temperature gives -inf (p = 0), never inf - inf
+    with np.errstate(
+        over="ignore"
+    ):  # <= 0, so a tiny temperature gives -inf (p = 0), never inf - inf
         z = (z - z.max()) / temperature
     if top_k and top_k < len(z):
         z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
@@ -55,7 +61,17 @@ def next_token(logits, temperature, top_k, rng):
     return int(rng.choice(len(p), p=p / p.sum()))
 
 
-def generate(params, config, prompt, num_tokens, temperature=1.0, top_k=None, seed=0, vocab=None, on_token=None):
+def generate(
+    params,
+    config,
+    prompt,
+    num_tokens,
+    temperature=1.0,
+    top_k=None,
+    seed=0,
+    vocab=None,
+    on_token=None,
+):
     """Continue `prompt` (token ids) by num_tokens tokens; returns the new ids. vocab: draw
     only ids below it (a tokenizer may have fewer pieces than the model's vocab_size).
     on_token(id) is called as each token is chosen."""
@@ -63,21 +79,27 @@ def generate(params, config, prompt, num_tokens, temperature=1.0, top_k=None, se
         raise ValueError("the prompt has no tokens.")
     T, step = config.segment_length, _segment_step(config)
     rng = np.random.default_rng(seed)
-    state, text, done = mt.init_state(config, 1), [int(t) for t in prompt], 0  # text[:done] is in the state
+    state, text, done = (
+        mt.init_state(config, 1),
+        [int(t) for t in prompt],
+        0,
+    )  # text[:done] is in the state
 
     def run(segment, state):
         tokens = np.zeros((1, T), np.int32)
-        tokens[0, :len(segment)] = segment
+        tokens[0, : len(segment)] = segment
         mask = np.arange(T)[None] < len(segment)
         return step(params, state, tokens, np.array([done == 0]), mask)
 
     new = []
     while len(new) < num_tokens:
         while len(text) - done > T:  # a complete segment with a token after it: into the state
-            _, state = run(text[done:done + T], state)
+            _, state = run(text[done : done + T], state)
             done += T
         logits, _ = run(text[done:], state)  # 1 to T tokens; the state it returns is dropped
-        token = next_token(np.asarray(logits[0, len(text) - done - 1, :vocab]), temperature, top_k, rng)
+        token = next_token(
+            np.asarray(logits[0, len(text) - done - 1, :vocab]), temperature, top_k, rng
+        )
         text.append(token)
         new.append(token)
         if on_token:
@@ -102,7 +124,9 @@ class TextStream:
         self.sp, self.write, self.context, self.ids = sp, write, context, [int(t) for t in before]
         text = sp.decode(self.ids)
         self.shown = len(text.rstrip("\ufffd"))
-        self.before = text[:self.shown]  # what `before` spells, less a character it leaves unfinished
+        self.before = text[
+            : self.shown
+        ]  # what `before` spells, less a character it leaves unfinished
         self._trim(text)
 
     def add(self, token):
@@ -110,17 +134,19 @@ class TextStream:
         text = self.sp.decode(self.ids)  # a character can span tokens
         ready = len(text.rstrip("\ufffd"))
         if ready > self.shown:
-            self.write(text[self.shown:ready])
+            self.write(text[self.shown : ready])
             self.shown = ready
         self._trim(text)
 
     def _trim(self, text):
-        if self.shown == len(text) and len(self.ids) > 2 * self.context:  # all written: decode from here on
-            self.ids = self.ids[-self.context:]
+        if (
+            self.shown == len(text) and len(self.ids) > 2 * self.context
+        ):  # all written: decode from here on
+            self.ids = self.ids[-self.context :]
             self.shown = len(self.sp.decode(self.ids))
 
     def close(self):
-        self.write(self.sp.decode(self.ids)[self.shown:])
+        self.write(self.sp.decode(self.ids)[self.shown :])
 
 
 def build_parser():
@@ -128,19 +154,38 @@ def build_parser():
     p.add_argument("run_dir", type=runs.path_arg, help="a train.py output directory")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
-    prompt.add_argument("--prompt-file", type=runs.path_arg, help="a UTF-8 file whose whole text is the prompt")
-    prompt.add_argument("--prompt-doc", type=runs.count, metavar="N", help="validation document N of the run's "
-                        "corpus (as evaluate.py numbers them), cut at --prompt-tokens")
-    p.add_argument("--prompt-tokens", type=runs.positive_int, help="with --prompt-doc: the first this many "
-                   "tokens are the prompt (default: the whole document)")
+    prompt.add_argument(
+        "--prompt-file", type=runs.path_arg, help="a UTF-8 file whose whole text is the prompt"
+    )
+    prompt.add_argument(
+        "--prompt-doc",
+        type=runs.count,
+        metavar="N",
+        help="validation document N of the run's "
+        "corpus (as evaluate.py numbers them), cut at --prompt-tokens",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=runs.positive_int,
+        help="with --prompt-doc: the first this many "
+        "tokens are the prompt (default: the whole document)",
+    )
     p.add_argument("--tokens", type=runs.positive_int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=runs.finite_float, default=1.0, help="0 = greedy (argmax)")
-    p.add_argument("--top-k", type=runs.positive_int, help="draw only from the K most likely tokens "
-                   "(default: from all of them)")
-    p.add_argument("--seed", type=runs.int_at_least(0, 2 ** 32 - 1), default=0, help="seed of the draws")
+    p.add_argument(
+        "--top-k",
+        type=runs.positive_int,
+        help="draw only from the K most likely tokens (default: from all of them)",
+    )
+    p.add_argument(
+        "--seed", type=runs.int_at_least(0, 2**32 - 1), default=0, help="seed of the draws"
+    )
     p.add_argument("--memory-size", type=runs.count, help="memory slots M (default: the run's)")
-    p.add_argument("--memory-off", action="store_true", help="force every gate to 0: local attention and XL "
-                   "cache only, the memory-off ablation")
+    p.add_argument(
+        "--memory-off",
+        action="store_true",
+        help="force every gate to 0: local attention and XL cache only, the memory-off ablation",
+    )
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     return p
 
@@ -159,27 +204,48 @@ def sample(args):
         text = data.read_text(args.prompt_file, "--prompt-file")
     config, params, sp, run_args = evaluate.load_run(args.run_dir, args.memory_size)
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
-    if args.prompt_doc is not None or run_args["tokenizer"] is None:  # (an older checkpoint: its documents hold the
+    if (
+        args.prompt_doc is not None or run_args["tokenizer"] is None
+    ):  # (an older checkpoint: its documents hold the
         # tokenizer to the run, as evaluate.py's validation set does)
-        docs, _ = evaluate.validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
+        docs, _ = evaluate.validation_docs(
+            argparse.Namespace(data=None, data_format=None), run_args, sp, config
+        )
     if args.prompt_doc is not None:
         if args.prompt_doc >= len(docs):
-            raise runs.UsageError(f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
-                                   f"{runs.plural(len(docs), 'document')}.")
-        prompt = [int(t) for t in docs[args.prompt_doc][:args.prompt_tokens]]
+            raise runs.UsageError(
+                f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
+                f"{runs.plural(len(docs), 'document')}."
+            )
+        prompt = [int(t) for t in docs[args.prompt_doc][: args.prompt_tokens]]
     else:
         prompt = sp.encode(text)
     if not prompt:
-        raise runs.UsageError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file.")
+        raise runs.UsageError(
+            "the prompt is empty: give --prompt TEXT or a non-empty --prompt-file."
+        )
     stream = TextStream(sp, lambda text: print(text, end="", flush=True), prompt)
-    if args.echo:  # what the prompt's tokens spell (= the --prompt text), but for a character that it cuts
+    if (
+        args.echo
+    ):  # what the prompt's tokens spell (= the --prompt text), but for a character that it cuts
         print(stream.before, end="", flush=True)
-    generate(params, config, prompt, args.tokens, args.temperature, args.top_k, args.seed, sp.get_piece_size(),
-             stream.add)
+    generate(
+        params,
+        config,
+        prompt,
+        args.tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        sp.get_piece_size(),
+        stream.add,
+    )
     stream.close()
     print(flush=True)
-    runs.say(f"({len(prompt)} prompt tokens, {args.tokens} generated, memory "
-             f"{'off' if args.memory_off else config.memory_size})")
+    runs.say(
+        f"({len(prompt)} prompt tokens, {args.tokens} generated, memory "
+        f"{'off' if args.memory_off else config.memory_size})"
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
 """data.py: the batching invariants against explicit bookkeeping, sources, tokenizer, bad input."""
+
 import json
 import os
 import shutil
@@ -13,7 +14,8 @@ import data
 
 SETTINGS = settings(deadline=None, max_examples=40, derandomize=True)
 docs_strategy = st.lists(st.integers(2, 60), min_size=1, max_size=12).map(
-    lambda lengths: [np.arange(1, n + 1, dtype=np.int32) + 1000 * i for i, n in enumerate(lengths)])
+    lambda lengths: [np.arange(1, n + 1, dtype=np.int32) + 1000 * i for i, n in enumerate(lengths)]
+)
 
 
 def run_epoch(docs, B, T, seed=0):
@@ -27,7 +29,12 @@ def run_epoch(docs, B, T, seed=0):
 
 
 @SETTINGS
-@given(docs=docs_strategy, B=st.sampled_from([1, 2, 3]), T=st.sampled_from([1, 4, 7]), seed=st.integers(0, 5))
+@given(
+    docs=docs_strategy,
+    B=st.sampled_from([1, 2, 3]),
+    T=st.sampled_from([1, 4, 7]),
+    seed=st.integers(0, 5),
+)
 def test_rows_reproduce_documents_in_order_with_next_token_targets(docs, B, T, seed):
     if len(docs) < B:
         with pytest.raises(data.DataError, match="fewer than"):
@@ -51,7 +58,7 @@ def test_rows_reproduce_documents_in_order_with_next_token_targets(docs, B, T, s
             targets += batch["targets"][b][m].tolist()
             assert m.tolist() == sorted(m.tolist(), reverse=True)  # padding only at the end
         # the document in progress is a prefix of its document
-        np.testing.assert_array_equal(tokens, current[:len(tokens)])
+        np.testing.assert_array_equal(tokens, current[: len(tokens)])
 
 
 @SETTINGS
@@ -95,9 +102,16 @@ def test_a_position_that_does_not_fit_the_documents_is_refused_on_restore():
     data.segment_batches(docs, 2, 5, seed=1).restore(pos)  # fits
     last = max(r[0] for r in pos["rows"] if r)
     with pytest.raises(ValueError, match="does not fit"):
-        data.segment_batches(docs[:max(last, 2)], 2, 5, seed=1).restore(pos)
-    bad = [dict(pos, rows=pos["rows"] + [None]), dict(pos, rows=[[0, -5], None]), dict(pos, rows=[[0, 1, 2], None]),
-           dict(pos, next_doc=7), dict(pos, epoch="1"), dict(pos, epoch=True), dict(pos, rows=[[0.5, 0], None])]
+        data.segment_batches(docs[: max(last, 2)], 2, 5, seed=1).restore(pos)
+    bad = [
+        dict(pos, rows=pos["rows"] + [None]),
+        dict(pos, rows=[[0, -5], None]),
+        dict(pos, rows=[[0, 1, 2], None]),
+        dict(pos, next_doc=7),
+        dict(pos, epoch="1"),
+        dict(pos, epoch=True),
+        dict(pos, rows=[[0.5, 0], None]),
+    ]
     for p in bad:
         with pytest.raises(ValueError, match="does not fit"):
             data.segment_batches(docs, 2, 5, seed=1).restore(p)
@@ -106,12 +120,18 @@ def test_a_position_that_does_not_fit_the_documents_is_refused_on_restore():
 def test_a_fingerprint_changes_with_any_token_length_or_list_and_only_with_them():
     train, valid = [np.arange(n, dtype=np.int32) for n in (9, 4, 7)], [np.arange(5, dtype=np.int32)]
     key = data.fingerprint(train, valid)
-    assert data.fingerprint([t.copy().astype(np.int64) for t in train], list(valid)) == key  # values, not objects
+    assert (
+        data.fingerprint([t.copy().astype(np.int64) for t in train], list(valid)) == key
+    )  # values, not objects
     edited = [t.copy() for t in train]
     edited[1][2] += 1
     assert data.fingerprint(edited, valid) != key
-    assert data.fingerprint([train[0][:5], train[0][5:]] + train[1:], valid) != key  # one document cut in two
-    assert data.fingerprint(train[:2], [train[2]] + valid) != key  # a document moved from train to valid
+    assert (
+        data.fingerprint([train[0][:5], train[0][5:]] + train[1:], valid) != key
+    )  # one document cut in two
+    assert (
+        data.fingerprint(train[:2], [train[2]] + valid) != key
+    )  # a document moved from train to valid
     assert data.fingerprint(train + valid) != key
 
 
@@ -135,7 +155,9 @@ def test_repo_traversal_keeps_each_subdirectory_contiguous(tmp_path):
         write(str(tmp_path / "repo" / sub / "deep" / "g.py"), f"y = '{sub}'\n")
     for seed in range(5):
         (doc,) = data.read_repo(str(tmp_path), seed)
-        names = [line[len("# file: "):] for line in doc.text.splitlines() if line.startswith("# file: ")]
+        names = [
+            line[len("# file: ") :] for line in doc.text.splitlines() if line.startswith("# file: ")
+        ]
         tops = [n.split(os.sep)[1] for n in names]
         # each subdirectory's files form one contiguous run
         runs = [t for i, t in enumerate(tops) if i == 0 or tops[i - 1] != t]
@@ -202,7 +224,9 @@ def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
     write(str(tmp_path / "r" / "g.py"), "y = 2\n")
     (doc,) = data.load_documents(str(tmp_path), verbose=False)  # the format detected: repo
     assert sorted(l for l in doc.text.splitlines() if l.startswith("# file:")) == [
-        "# file: " + os.path.join("r", *["a"] * 1200, "f.py"), "# file: r/g.py"]
+        "# file: " + os.path.join("r", *["a"] * 1200, "f.py"),
+        "# file: r/g.py",
+    ]
     write(os.path.join(deep, "book.txt"), "a book\n")
     (doc,) = data.load_documents(str(tmp_path), "text", verbose=False)
     assert doc.id == os.path.join("r", *["a"] * 1200, "book.txt") and doc.text == "a book\n"
@@ -224,7 +248,7 @@ def test_runs_that_fill_one_cache_at_once_each_write_a_whole_file(tmp_path, monk
         def writer(payload):
             try:
                 gate.wait()
-                chunks = [payload[i:i + 65536] for i in range(0, len(payload), 65536)]
+                chunks = [payload[i : i + 65536] for i in range(0, len(payload), 65536)]
                 data._write_cache(path, lambda f: [f.write(chunk) for chunk in chunks])
             except Exception as e:  # noqa: BLE001 (any failure fails the test below)
                 errors.append(repr(e))
@@ -241,12 +265,16 @@ def test_runs_that_fill_one_cache_at_once_each_write_a_whole_file(tmp_path, monk
     # Both caches are written through it.
     written = []
     real = data._write_cache
-    monkeypatch.setattr(data, "_write_cache", lambda p, write: (written.append(os.path.basename(p)), real(p, write)))
+    monkeypatch.setattr(
+        data, "_write_cache", lambda p, write: (written.append(os.path.basename(p)), real(p, write))
+    )
     docs = [data.Document(str(i), "the cat sat on the mat\n") for i in range(4)]
     sp = data.train_tokenizer(docs, 300, str(tmp_path / "t.model"))
     tokens, _ = data.tokenize(docs, sp, str(tmp_path / "c.npz"))
     again, _ = data.tokenize(docs, sp, str(tmp_path / "c.npz"))  # from the cache
-    assert written == ["t.model", "c.npz"] and [t.tolist() for t in again] == [t.tolist() for t in tokens]
+    assert written == ["t.model", "c.npz"] and [t.tolist() for t in again] == [
+        t.tolist() for t in tokens
+    ]
 
 
 def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
@@ -257,7 +285,9 @@ def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
     a reader that changed (the JSONL byte order mark) kept a key whose tokens no longer
     matched what it read. Now an edit changes the key, and a touch, a copy or a file no
     reader reads does not."""
-    key = lambda path, fmt="auto": data.corpus_key(data.load_documents(str(path), fmt, verbose=False))
+    key = lambda path, fmt="auto": data.corpus_key(
+        data.load_documents(str(path), fmt, verbose=False)
+    )
     one = tmp_path / "one.jsonl"
     write(str(one), '{"text": "a"}\n')
     first = key(one)
@@ -267,16 +297,36 @@ def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
     edited = key(one)
     os.utime(one, (2e9, 2e9))
     assert key(one) == edited  # touched
-    write(str(one), '\ufeff{"text": "another text"}\n{"text": "b"}\n')  # the same documents, with a BOM
+    write(
+        str(one), '\ufeff{"text": "another text"}\n{"text": "b"}\n'
+    )  # the same documents, with a BOM
     assert key(one) == edited
     corpus = tmp_path / "c"
-    for name in ("a.txt", "sub/b.txt", ".hidden.txt", ".git/c.txt", "__pycache__/d.txt", "sub/.e/f.jsonl"):
+    for name in (
+        "a.txt",
+        "sub/b.txt",
+        ".hidden.txt",
+        ".git/c.txt",
+        "__pycache__/d.txt",
+        "sub/.e/f.jsonl",
+    ):
         write(str(corpus / name), f"the text of {name}\n")
-    assert data.detect_format(str(corpus)) == "text"  # (a hidden .jsonl once made it a JSONL corpus)
-    assert sorted(d.id for d in data.load_documents(str(corpus), "text", verbose=False)) == ["a.txt", "sub/b.txt"]
+    assert (
+        data.detect_format(str(corpus)) == "text"
+    )  # (a hidden .jsonl once made it a JSONL corpus)
+    assert sorted(d.id for d in data.load_documents(str(corpus), "text", verbose=False)) == [
+        "a.txt",
+        "sub/b.txt",
+    ]
     first = key(corpus, "text")
     assert key(corpus, "repo") != first  # another reader, other documents
-    for name in (".hidden.txt", ".git/c.txt", "__pycache__/d.txt", ".cache/jax/x", "__pycache__/y.pyc"):
+    for name in (
+        ".hidden.txt",
+        ".git/c.txt",
+        "__pycache__/d.txt",
+        ".cache/jax/x",
+        "__pycache__/y.pyc",
+    ):
         write(str(corpus / name), "changed\n")
     assert key(corpus, "text") == first
     shutil.copytree(corpus, tmp_path / "copy")
@@ -292,8 +342,12 @@ def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
     write(str(lib / "m.py"), "x = 2\n")
     assert key("stdlib") != first
     docs = [data.Document("a", "xy"), data.Document("b", "z")]
-    assert data.corpus_key(docs) != data.corpus_key([data.Document("a", "x"), data.Document("yb", "z")])
-    assert data.corpus_key(docs) != data.corpus_key([data.Document("a", "xy", (("xy", True),)), docs[1]])
+    assert data.corpus_key(docs) != data.corpus_key(
+        [data.Document("a", "x"), data.Document("yb", "z")]
+    )
+    assert data.corpus_key(docs) != data.corpus_key(
+        [data.Document("a", "xy", (("xy", True),)), docs[1]]
+    )
 
 
 def test_inside_corpus_is_where_a_reader_would_see_a_path(tmp_path):
@@ -301,7 +355,13 @@ def test_inside_corpus_is_where_a_reader_would_see_a_path(tmp_path):
     (corpus / "sub").mkdir(parents=True)
     os.symlink(corpus / "sub", tmp_path / "link")
     inside = [corpus, corpus / "runs" / "x", corpus / "sub", tmp_path / "link" / "run"]
-    outside = [tmp_path, tmp_path / "runs", corpus / ".runs" / "x", corpus / "sub" / ".cache", corpus / "__pycache__"]
+    outside = [
+        tmp_path,
+        tmp_path / "runs",
+        corpus / ".runs" / "x",
+        corpus / "sub" / ".cache",
+        corpus / "__pycache__",
+    ]
     assert [data.inside_corpus(str(p), str(corpus)) for p in inside] == [True] * len(inside)
     assert [data.inside_corpus(str(p), str(corpus)) for p in outside] == [False] * len(outside)
     assert not data.inside_corpus(str(corpus / "x"), "synthetic:40")
@@ -313,16 +373,25 @@ def test_a_named_pipe_in_a_corpus_is_skipped_and_counted_not_waited_on(tmp_path)
     something wrote to it, that is, forever (and a repository's walk passed it over without
     counting it). Each format is read in a process of its own, which a blocked read could not
     outlive."""
-    for fmt, name, good, skipped in (("text", "a.txt", "some text\n", ["data: skipped 1 unreadable"]),
-                                     ("jsonl", "a.jsonl", '{"text": "some text"}\n', ["data: skipped 1 unreadable"]),
-                                     ("repo", "r/a.py", "x = 1\n", ["data: skipped 1 unreadable"])):
+    for fmt, name, good, skipped in (
+        ("text", "a.txt", "some text\n", ["data: skipped 1 unreadable"]),
+        ("jsonl", "a.jsonl", '{"text": "some text"}\n', ["data: skipped 1 unreadable"]),
+        ("repo", "r/a.py", "x = 1\n", ["data: skipped 1 unreadable"]),
+    ):
         os.makedirs(tmp_path / fmt / os.path.dirname(name), exist_ok=True)
         os.mkfifo(tmp_path / fmt / name)
         write(str(tmp_path / fmt / name.replace("a.", "b.")), good)
-        code = ("import data, sys; docs = data.load_documents(sys.argv[1], sys.argv[2]); "
-                "print(len(docs), 'some text' in docs[0].text or 'x = 1' in docs[0].text)")
-        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / fmt), fmt], cwd=os.path.dirname(data.__file__),
-                              capture_output=True, text=True, timeout=60)
+        code = (
+            "import data, sys; docs = data.load_documents(sys.argv[1], sys.argv[2]); "
+            "print(len(docs), 'some text' in docs[0].text or 'x = 1' in docs[0].text)"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / fmt), fmt],
+            cwd=os.path.dirname(data.__file__),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines() == skipped + ["1 True"], (fmt, proc.stdout)
 
@@ -341,16 +410,21 @@ def test_walk_equals_os_walk_links_errors_and_edited_dirnames_included(tmp_path)
     os.symlink(dirs[4] / "f0.txt", dirs[6] / "to_a_file")
     for top in (tmp_path / "t", dirs[7], tmp_path / "missing"):
         errors = ([], [])
-        assert list(data._walk(str(top), errors[0].append)) == list(os.walk(str(top), onerror=errors[1].append))
+        assert list(data._walk(str(top), errors[0].append)) == list(
+            os.walk(str(top), onerror=errors[1].append)
+        )
         assert [type(e) for e in errors[0]] == [type(e) for e in errors[1]]
 
-        def steered(walk):  # the caller sorts and prunes dirnames in place, as read_text_dir sorts them
+        def steered(
+            walk,
+        ):  # the caller sorts and prunes dirnames in place, as read_text_dir sorts them
             seen = []
             for root, names, files in walk:
                 names.sort(reverse=True)
                 del names[2:]
                 seen.append((root, list(names), sorted(files)))
             return seen
+
         assert steered(data._walk(str(top))) == steered(os.walk(str(top)))
 
 
@@ -358,15 +432,27 @@ def test_isabelle_theories_come_after_the_theories_they_import_across_directorie
     """Sec. 4.1: the files of a theory in import order. Headers as Isabelle writes them:
     quoted, session-qualified and path names, comments, keywords, several lines."""
     entry = tmp_path / "Entry"
-    write(str(entry / "Base.thy"), 'theory Base\n  imports Main\nbegin\nlemma x: "True" by simp\nend\n')
-    write(str(entry / "sub" / "Middle.thy"),
-          'theory Middle (* uses Base *)\n  imports\n    "HOL-Library.Multiset" "../Base"\nbegin\nend\n')
-    write(str(entry / "Top.thy"), 'theory Top imports Entry.Middle Base\n  keywords "foo" :: thy_decl\nbegin\nend\n')
+    write(
+        str(entry / "Base.thy"),
+        'theory Base\n  imports Main\nbegin\nlemma x: "True" by simp\nend\n',
+    )
+    write(
+        str(entry / "sub" / "Middle.thy"),
+        'theory Middle (* uses Base *)\n  imports\n    "HOL-Library.Multiset" '
+        '"../Base"\nbegin\nend\n',
+    )
+    write(
+        str(entry / "Top.thy"),
+        'theory Top imports Entry.Middle Base\n  keywords "foo" :: thy_decl\nbegin\nend\n',
+    )
     write(str(entry / "zz" / "Other.thy"), "theory Other imports Main begin end\n")
     for seed in range(8):
         (doc,) = data.read_repo(str(tmp_path), seed, dependency_order=True)
         names = [os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:")]
-        assert names.index("Base.thy") < names.index("Middle.thy") < names.index("Top.thy"), (seed, names)
+        assert names.index("Base.thy") < names.index("Middle.thy") < names.index("Top.thy"), (
+            seed,
+            names,
+        )
         assert sorted(names) == ["Base.thy", "Middle.thy", "Other.thy", "Top.thy"]
 
 
@@ -400,8 +486,12 @@ def test_split_is_disjoint_deterministic_and_covers_everything():
 
 
 def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
-    docs = data.synthetic_documents(num_docs=5, length=100) + [data.Document("code", (
-        "def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode\n\n\n    pass\r\n"))]
+    docs = data.synthetic_documents(num_docs=5, length=100) + [
+        data.Document(
+            "code",
+            ("def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode\n\n\n    pass\r\n"),
+        )
+    ]
     sp, path = data.get_tokenizer(docs, 400, str(tmp_path), "k")
     for d in docs:
         assert sp.decode(sp.encode(d.text)) == d.text
@@ -421,7 +511,9 @@ def test_a_vocabulary_too_small_names_the_smallest_that_trains(tmp_path, text):
     SentencePiece's internal check."""
     docs = [data.Document(f"d{i}", text * 300 + str(i)) for i in range(4)]
     need = 256 + 2 + len(set("".join(d.text for d in docs)) | {"\n", "\t"})
-    with pytest.raises(data.DataError, match=f"of {need - 1} pieces on this corpus: it needs at least {need} "):
+    with pytest.raises(
+        data.DataError, match=f"of {need - 1} pieces on this corpus: it needs at least {need} "
+    ):
         data.train_tokenizer(docs, need - 1, str(tmp_path / "small.model"))
     assert data.train_tokenizer(docs, need, str(tmp_path / "enough.model")).get_piece_size() == need
 
@@ -461,7 +553,9 @@ def test_synthetic_references_decode_to_their_values_and_their_distances_are_exa
 @pytest.mark.parametrize("distance", [40, 300, 2000])
 def test_synthetic_long_probes_sit_distance_tokens_after_their_only_definition(distance):
     docs = data.synthetic_long_documents(3, distance, seed=5, num_names=6)
-    assert [d.text for d in docs] == [d.text for d in data.synthetic_long_documents(3, distance, seed=5, num_names=6)]
+    assert [d.text for d in docs] == [
+        d.text for d in data.synthetic_long_documents(3, distance, seed=5, num_names=6)
+    ]
     for d in docs:
         # Independently, from the lines: where each name occurs, counting a word, a symbol and
         # a newline as one token each (the synthetic tokenizer's pieces).
@@ -484,7 +578,9 @@ def test_synthetic_long_probes_sit_distance_tokens_after_their_only_definition(d
 def test_synthetic_corpus_size_is_part_of_the_data_name():
     assert len(data.load_documents("synthetic:7", verbose=False)) == 7
     for bad in ("synthetic:0", "synthetic:x", "synthetic:1000001", "synthetic:99999999999"):
-        with pytest.raises(data.DataError, match="synthetic:N"):  # the large ones at once, not generated
+        with pytest.raises(
+            data.DataError, match="synthetic:N"
+        ):  # the large ones at once, not generated
             data.load_documents(bad, verbose=False)
 
 
@@ -502,12 +598,22 @@ def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys
     assert len(docs) == 1 and "ok = 1" in docs[0].text
     out = capsys.readouterr().out
     assert "1 binary" in out and "1 not utf8" in out and "1 empty" in out
-    write(str(tmp_path / "j" / "a.jsonl"), '{"text": "hello"}\nnot json\n{"other": 1}\n{"text": 3}\n\n')
+    write(
+        str(tmp_path / "j" / "a.jsonl"),
+        '{"text": "hello"}\nnot json\n{"other": 1}\n{"text": 3}\n\n',
+    )
     docs = data.load_documents(str(tmp_path / "j"))
     assert [d.text for d in docs] == ["hello"]
     assert "3 bad json" in capsys.readouterr().out
-    write(str(tmp_path / "bom" / "a.jsonl"), b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n', "wb")
-    assert [d.text for d in data.load_documents(str(tmp_path / "bom"))] == ["first", "second"]  # (once "1 bad json")
+    write(
+        str(tmp_path / "bom" / "a.jsonl"),
+        b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n',
+        "wb",
+    )
+    assert [d.text for d in data.load_documents(str(tmp_path / "bom"))] == [
+        "first",
+        "second",
+    ]  # (once "1 bad json")
     write(str(tmp_path / "t" / "book.txt"), "a book\n")
     write(str(tmp_path / "t" / "blank.txt"), "")
     assert [d.text for d in data.load_documents(str(tmp_path / "t"))] == ["a book\n"]
@@ -531,23 +637,40 @@ def test_stdlib_corpus_is_found_and_each_package_is_one_document():
 import jax  # noqa: E402
 import memorizing_transformer as mt  # noqa: E402
 
-FUZZ = mt.Config(vocab_size=400, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=16,
-                 memory_layers=(1,), memory_size=32, num_neighbors=8, batch_size=2)
+FUZZ = mt.Config(
+    vocab_size=400,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    head_dim=16,
+    d_ff=48,
+    segment_length=16,
+    memory_layers=(1,),
+    memory_size=32,
+    num_neighbors=8,
+    batch_size=2,
+)
 FUZZ_PARAMS = mt.init_params(FUZZ, jax.random.PRNGKey(0))
 FUZZ_FORWARD = jax.jit(mt.forward, static_argnums=4)
 
 
 @pytest.fixture(scope="module")
 def fuzz_tokenizer(tmp_path_factory):
-    sp, _ = data.get_tokenizer(data.synthetic_documents(num_docs=4, length=100), 400,
-                               str(tmp_path_factory.mktemp("tok")), "fuzz")
+    sp, _ = data.get_tokenizer(
+        data.synthetic_documents(num_docs=4, length=100),
+        400,
+        str(tmp_path_factory.mktemp("tok")),
+        "fuzz",
+    )
     return sp
 
 
 file_contents = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=300),
-    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=300).map(lambda s: s.encode("utf-8")),
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=300).map(
+        lambda s: s.encode("utf-8")
+    ),
     st.integers(0, 20000).map(lambda n: b"x" * n),  # a huge line, no newline
     st.just(b""),
 )
@@ -555,12 +678,16 @@ file_contents = st.one_of(
 
 @settings(deadline=None, max_examples=25, derandomize=True)
 @given(files=st.lists(file_contents, min_size=1, max_size=5), fmt=st.sampled_from(["repo", "text"]))
-def test_fuzzed_corpora_either_load_and_run_through_the_model_or_fail_clearly(tmp_path_factory, fuzz_tokenizer, files, fmt):
+def test_fuzzed_corpora_either_load_and_run_through_the_model_or_fail_clearly(
+    tmp_path_factory, fuzz_tokenizer, files, fmt
+):
     root = tmp_path_factory.mktemp("fuzz")
     for i, content in enumerate(files):
         name = f"doc{i}.txt" if fmt == "text" else f"d{i % 2}/f{i}.py"
         os.makedirs(os.path.dirname(root / name), exist_ok=True)
-        (root / name).write_bytes(content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass"))
+        (root / name).write_bytes(
+            content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass")
+        )
     try:
         docs = data.load_documents(str(root), fmt, verbose=False)
         tokens, _ = data.tokenize(docs, fuzz_tokenizer)
@@ -572,5 +699,7 @@ def test_fuzzed_corpora_either_load_and_run_through_the_model_or_fail_clearly(tm
         assert fuzz_tokenizer.decode(t.tolist()) == d.text  # nothing lost on the way
     state = mt.init_state(FUZZ, 2)
     for batch in batches:
-        logits, state = FUZZ_FORWARD(FUZZ_PARAMS, state, batch["tokens"], batch["reset"], FUZZ, batch["mask"])
+        logits, state = FUZZ_FORWARD(
+            FUZZ_PARAMS, state, batch["tokens"], batch["reset"], FUZZ, batch["mask"]
+        )
         assert np.all(np.isfinite(np.asarray(logits)))

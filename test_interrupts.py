@@ -3,6 +3,7 @@ moments of each command, with no child process left behind; a reader of stdout t
 reading; a path that is not UTF-8 under a strict locale; a JAX backend that cannot start;
 a device out of memory. (Split from test_cli.py, whose bad-input tests these complement.)
 """
+
 import contextlib
 import gc
 import json
@@ -21,8 +22,14 @@ from test_train import FAST, HERE, ending
 
 
 def launch(script, argv, env=None):
-    return subprocess.Popen([sys.executable, script] + argv, cwd=HERE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, script] + argv,
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def wait_for_line(proc, prefix):
@@ -33,7 +40,9 @@ def wait_for_line(proc, prefix):
 
 
 def assert_interrupted(code, err):
-    assert code == 130 and err.count("\n") == 1 and "Traceback" not in err and "interrupted" in err, (code, err)
+    assert (
+        code == 130 and err.count("\n") == 1 and "Traceback" not in err and "interrupted" in err
+    ), (code, err)
     return err
 
 
@@ -55,26 +64,60 @@ def interrupted_train_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("interrupted_train_runs")
     """Ctrl-C (SIGINT) to train.py 0.2 s and 2 s after it starts to load JAX, and 0.5 s after its
     last step; then the last run resumed: each interrupted process's ending, what the last one
-    left (whether an eval.json, its checkpoint's step), the resumed process and the run's directory."""
+    left (whether an eval.json, its checkpoint's step), the resumed process and the run's
+    directory."""
     endings, cache = [], str(tmp / "cache")
     for delay in (0.2, 2.0):
-        with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache],
-                                       child_env())) as proc:
+        with stopped_at_the_end(
+            launch(
+                "train.py",
+                FAST + ["--out", str(tmp / f"early{delay}"), "--cache-dir", cache],
+                child_env(),
+            )
+        ) as proc:
             wait_until_jax_loads(proc)
             time.sleep(delay)
             proc.send_signal(signal.SIGINT)
             endings.append(ending(proc))
-    with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", cache, "--steps", "2",
-                                                       "--valid-fraction", "0.5", "--eval-docs", "20", "--eval-tokens",
-                                                       "2000"], child_env())) as proc:
+    with stopped_at_the_end(
+        launch(
+            "train.py",
+            FAST
+            + [
+                "--out",
+                str(tmp / "run"),
+                "--cache-dir",
+                cache,
+                "--steps",
+                "2",
+                "--valid-fraction",
+                "0.5",
+                "--eval-docs",
+                "20",
+                "--eval-tokens",
+                "2000",
+            ],
+            child_env(),
+        )
+    ) as proc:
         wait_for_line(proc, "step      2")
-        time.sleep(0.5)  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
+        time.sleep(
+            0.5
+        )  # past the last save (milliseconds): compiling or running the final evaluation (seconds)
         proc.send_signal(signal.SIGINT)
         endings.append(ending(proc))
     run = tmp / "run"
-    left = {"eval.json": (run / "eval.json").exists(), "step": runs.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"]}
-    resumed = subprocess.run([sys.executable, "train.py", "--out", str(run), "--resume", "--cache-dir", cache], cwd=HERE,
-                             capture_output=True, text=True, env=child_env())
+    left = {
+        "eval.json": (run / "eval.json").exists(),
+        "step": runs.load_checkpoint(str(run / "checkpoint.npz"))[0]["step"],
+    }
+    resumed = subprocess.run(
+        [sys.executable, "train.py", "--out", str(run), "--resume", "--cache-dir", cache],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
     return endings, left, resumed, run
 
 
@@ -99,18 +142,27 @@ def interrupted_while_jax_starts_a_plugin(tmp_path_factory):
     libraries: the process's exit code and stderr, and whether the run's directory exists."""
     plugin = tmp / "plugins" / "jax_plugins" / "interrupted_at_start"  # (no __init__.py above it)
     plugin.mkdir(parents=True)
-    (plugin / "__init__.py").write_text("import os, signal, time\n\n"
-                                        "def initialize():\n"
-                                        "    os.kill(os.getpid(), signal.SIGINT)\n"
-                                        "    time.sleep(60)\n")
+    (plugin / "__init__.py").write_text(
+        "import os, signal, time\n\n"
+        "def initialize():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(60)\n"
+    )
     path = os.pathsep.join(filter(None, [str(tmp / "plugins"), os.environ.get("PYTHONPATH")]))
-    with stopped_at_the_end(launch("train.py", FAST + ["--out", str(tmp / "run"), "--cache-dir", str(tmp / "cache")],
-                                   child_env(PYTHONPATH=path))) as proc:
+    with stopped_at_the_end(
+        launch(
+            "train.py",
+            FAST + ["--out", str(tmp / "run"), "--cache-dir", str(tmp / "cache")],
+            child_env(PYTHONPATH=path),
+        )
+    ) as proc:
         code, err = ending(proc)
     return code, err, (tmp / "run").exists()
 
 
-def test_ctrl_c_that_jax_catches_while_it_starts_a_plugin_still_ends_the_command(interrupted_while_jax_starts_a_plugin):
+def test_ctrl_c_that_jax_catches_while_it_starts_a_plugin_still_ends_the_command(
+    interrupted_while_jax_starts_a_plugin,
+):
     """JAX starts each plugin under a bare `except:` and logs what it raised: a Ctrl-C there was
     dropped, and train.py trained on, on the CPU (seen on an H200). It ends the command:
     one line, exit 130, and no run directory."""
@@ -157,7 +209,9 @@ def stopped_at_the_end(proc):
     try:
         yield proc
     finally:
-        if proc.poll() is None:  # not yet waited for: its pid, and its children's, are still its own
+        if (
+            proc.poll() is None
+        ):  # not yet waited for: its pid, and its children's, are still its own
             kill([proc.pid] + descendants(proc.pid))
             proc.wait(timeout=120)
 
@@ -172,11 +226,15 @@ def drop_a_ctrl_c():
     """A Ctrl-C whose KeyboardInterrupt Python drops: raised inside a garbage-collection callback,
     as JAX's is at every collection ("Exception ignored in: ..."; 1 of 30 Ctrl-Cs sent to
     train.py 1-3 s after it began to load JAX was lost, and the run trained on)."""
+
     def callback(phase, _):
         if phase == "start":
-            signal.raise_signal(signal.SIGINT)  # its handler runs right after this call: in the callback
+            signal.raise_signal(
+                signal.SIGINT
+            )  # its handler runs right after this call: in the callback
             for _ in range(10):  # (or, at the latest, at this loop's first jump back)
                 pass
+
     gc.callbacks.append(callback)
     try:
         gc.collect()
@@ -195,6 +253,7 @@ def test_a_ctrl_c_that_python_drops_is_delivered_again_and_stops_the_command(cap
         drop_a_ctrl_c()
         busy(3)
         return 0
+
     t = time.time()
     assert runs.run_command(command, None) == 130
     assert time.time() - t < 1.5
@@ -213,19 +272,32 @@ def test_a_ctrl_c_that_python_drops_is_delivered_again_and_stops_the_command(cap
 
 
 def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finished_run, tmp_path):
-    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it. evaluate.py compare
-    is held after its first evaluation (of two, before the CSV) for up to a minute: unheld, both take
-    about a second, and the command could end before the signal came."""
-    held = ("import sys, time, runs, evaluate; first = evaluate.per_token_loss; "
-            "evaluate.per_token_loss = lambda *a: (first(*a), time.sleep(60))[0]; "
-            "runs.exit_with(evaluate.main(sys.argv[1:]))")
-    argv = ["compare", str(finished_run), "--memory-sizes", "64,128", "--max-tokens", "0", "--csv", str(tmp_path / "c.csv")]
+    """Issue 14.9: SIGTERM is Ctrl-C; benchmark.py's row process is stopped with it. evaluate.py
+    compare is held after its first evaluation (of two, before the CSV) for up to a minute: unheld,
+    both take about a second, and the command could end before the signal came."""
+    held = (
+        "import sys, time, runs, evaluate; first = evaluate.per_token_loss; "
+        "evaluate.per_token_loss = lambda *a: (first(*a), time.sleep(60))[0]; "
+        "runs.exit_with(evaluate.main(sys.argv[1:]))"
+    )
+    argv = [
+        "compare",
+        str(finished_run),
+        "--memory-sizes",
+        "64,128",
+        "--max-tokens",
+        "0",
+        "--csv",
+        str(tmp_path / "c.csv"),
+    ]
     with stopped_at_the_end(launch("-c", [held] + argv)) as proc:
         wait_for_line(proc, "memory 64 vs 128: evaluating")
         proc.send_signal(signal.SIGTERM)
         assert_interrupted(*ending(proc))
     assert not (tmp_path / "c.csv").exists()
-    with stopped_at_the_end(launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])) as proc:
+    with stopped_at_the_end(
+        launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
+    ) as proc:
         for _ in range(200):
             kids = children(proc.pid)
             if kids:
@@ -245,8 +317,13 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
 def peer_benchmark_stopped(tmp_path_factory):
     """SIGTERM to `benchmark.py --peer` once it has started its row process: (its exit code, its
     stderr, the row's pid, whether it still runs half a second later)."""
-    with stopped_at_the_end(launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000", "--peer",
-                                                    sys.executable], child_env())) as proc:
+    with stopped_at_the_end(
+        launch(
+            "benchmark.py",
+            ["--memory-sizes", "0", "--steps", "1000", "--peer", sys.executable],
+            child_env(),
+        )
+    ) as proc:
         # (this Python has no torch: the peer is skipped, and our rows run)
         found, deadline = [], time.time() + 120
         while not found and time.time() < deadline and proc.poll() is None:
@@ -268,18 +345,28 @@ def test_sigterm_stops_the_side_by_side_with_the_peer_and_its_row_process(peer_b
     assert not left, "a row process outlived benchmark.py --peer"
 
 
-@pytest.mark.parametrize("size, code, expected", [(10 ** 6, 0, 141), (1, 0, 141), (1, 2, 2)],
-                         ids=["while-running", "at-exit", "failure-at-exit"])
+@pytest.mark.parametrize(
+    "size, code, expected",
+    [(10**6, 0, 141), (1, 0, 141), (1, 2, 2)],
+    ids=["while-running", "at-exit", "failure-at-exit"],
+)
 def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size, code, expected):
     """`python evaluate.py compare ... | head -1`: once the reader is gone, the next write to stdout
     (during the command, or the last flush at exit) ends the process with SIGPIPE's code, 141, and
     nothing on stderr (it was once 'error: Broken pipe: None', exit 2); a command that failed
     keeps its own code. stdout is block-buffered here, as in a shell pipe, so a short line waits
     for the flush at exit."""
-    child = f"import runs; runs.exit_with(runs.run_command(lambda args: print('x' * {size}) or {code}, None))"
+    command = f"lambda args: print('x' * {size}) or {code}"
+    child = f"import runs; runs.exit_with(runs.run_command({command}, None))"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    proc = subprocess.Popen([sys.executable, "-c", child], cwd=HERE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     proc.stdout.close()
     assert proc.wait(timeout=120) == expected
     assert proc.stderr.read() == ""
@@ -289,11 +376,18 @@ def test_a_path_that_is_not_utf8_is_printed_as_its_bytes_under_any_utf8_locale()
     """A directory named with the byte 0xff: under a UTF-8 locale other than C (stdout's errors
     'strict', here forced by PYTHONIOENCODING) printing it once failed midway through a run,
     after its first files were written."""
-    child = ("import argparse, runs; p = argparse.ArgumentParser(); p.add_argument('out'); "
-             "runs.exit_with(runs.run_main(p, lambda args: print('run', args.out) or 0, None))")
+    child = (
+        "import argparse, runs; p = argparse.ArgumentParser(); p.add_argument('out'); "
+        "runs.exit_with(runs.run_main(p, lambda args: print('run', args.out) or 0, None))"
+    )
     env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
-    proc = subprocess.run([sys.executable, "-c", child, b"/tmp/r\xff"], cwd=HERE, env=env, capture_output=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", child, b"/tmp/r\xff"],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"run /tmp/r\xff\n", b"")
 
 
@@ -301,9 +395,22 @@ def test_a_backend_that_cannot_start_is_one_line_before_anything_is_written(tmp_
     """JAX_PLATFORMS naming a backend this machine lacks (a GPU command copied to a CPU machine:
     cuda there was a bare AssertionError from inside JAX) ended train.py in a traceback."""
     env = {**os.environ, "JAX_PLATFORMS": "bogus"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--steps", "1", "--out", str(tmp_path / "r"),
-                           "--cache-dir", str(tmp_path / "cache")], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "train.py"),
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "r"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: JAX could not start its backend (JAX_PLATFORMS='bogus'):")
     assert not (tmp_path / "r").exists()
@@ -313,29 +420,55 @@ def test_out_of_device_memory_is_one_line_and_other_runtime_errors_are_not_hidde
     def raising(error):
         def command(args):
             raise error
+
         return command
+
     import jax
-    for error in (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes"), MemoryError()):
+
+    for error in (
+        jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes"),
+        MemoryError(),
+    ):
         assert runs.run_command(raising(error), None) == 2
-        assert capsys.readouterr().err == ("error: the device ran out of memory; lower --batch-size, "
-                                           "--segment-length or --memory-size.\n")
-    for error in (jax.errors.JaxRuntimeError("INTERNAL: a bug"), RuntimeError("a bug"), AssertionError("a bug")):
+        assert capsys.readouterr().err == (
+            "error: the device ran out of memory; lower --batch-size, "
+            "--segment-length or --memory-size.\n"
+        )
+    for error in (
+        jax.errors.JaxRuntimeError("INTERNAL: a bug"),
+        RuntimeError("a bug"),
+        AssertionError("a bug"),
+    ):
         with pytest.raises(type(error), match="a bug"):  # a bug of ours stays a traceback
             runs.run_command(raising(error), None)
 
 
-def test_an_empty_compilation_cache_entry_left_by_an_interrupt_is_compiled_anew_without_a_warning(tmp_path):
+def test_an_empty_compilation_cache_entry_left_by_an_interrupt_is_compiled_anew_without_a_warning(
+    tmp_path,
+):
     """Ctrl-C while JAX writes an entry of train.py's compilation cache (after it opened the file,
     before it wrote it) left an empty file. JAX never rewrites an entry that exists, so every
     later run warned that it could not read it (two lines on stderr) and compiled that program
     again; the suite once caught this in the interrupted runs above."""
-    child = ("import sys, jax, runs; runs.use_compilation_cache(sys.argv[1]); "
-             "print(float(jax.jit(lambda x: x * 3 + 1)(2.0)))")
-    run = lambda: subprocess.run([sys.executable, "-c", child, str(tmp_path)], cwd=HERE, capture_output=True,
-                                 text=True, env=child_env(), timeout=120)
+    child = (
+        "import sys, jax, runs; runs.use_compilation_cache(sys.argv[1]); "
+        "print(float(jax.jit(lambda x: x * 3 + 1)(2.0)))"
+    )
+    run = lambda: subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path)],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     first = run()
     assert (first.returncode, first.stdout, first.stderr) == (0, "7.0\n", "")
-    entries = [p for p in (tmp_path / "jax").iterdir() if p.name.startswith("jit__lambda") and p.name.endswith("-cache")]
+    entries = [
+        p
+        for p in (tmp_path / "jax").iterdir()
+        if p.name.startswith("jit__lambda") and p.name.endswith("-cache")
+    ]
     assert len(entries) == 1 and entries[0].stat().st_size > 0
     entries[0].write_bytes(b"")  # as an interrupted write leaves it
     again = run()
@@ -351,10 +484,15 @@ def test_a_signal_after_the_command_returned_does_not_change_how_it_ended(sig, c
     Python's defaults (killed without a word: a fuzz of interrupts at random moments saw it in
     two of thirty commands). The command's own ending stands; the teardown, where this child
     signals itself, is not run."""
-    child = ("import atexit, os, startup\n"
-             "startup.leave_on_early_signals()\n"  # as each script does before it imports JAX
-             "import runs\n"
-             f"atexit.register(lambda: (os.kill(os.getpid(), {int(sig)}), __import__('time').sleep(1)))\n"
-             f"runs.exit_with(runs.run_command(lambda args: print('done') or {code}, None))\n")
-    proc = subprocess.run([sys.executable, "-c", child], cwd=HERE, capture_output=True, text=True, timeout=120)
+    child = (
+        "import atexit, os, startup\n"
+        "startup.leave_on_early_signals()\n"  # as each script does before it imports JAX
+        "import runs\n"
+        f"atexit.register(lambda: (os.kill(os.getpid(), {int(sig)}), "
+        "__import__('time').sleep(1)))\n"
+        f"runs.exit_with(runs.run_command(lambda args: print('done') or {code}, None))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child], cwd=HERE, capture_output=True, text=True, timeout=120
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (code, "done\n", "")

@@ -1,9 +1,11 @@
 """Executable spec of memorizing_transformer.py: every property against an exact reference.
 
 References are independent of the model code: dense softmax attention in numpy float64, explicit
-loops, and a one-shot numpy model over the whole document. The whole model is checked with its plain
-pieces and with kernels.FAST, which every script runs (test_kernels.py holds each drop-in to its piece).
+loops, and a one-shot numpy model over the whole document. The whole model is checked with its
+plain pieces and with kernels.FAST, which every script runs (test_kernels.py holds each drop-in to
+its piece).
 """
+
 import functools
 import math
 
@@ -20,9 +22,20 @@ jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail lo
 SETTINGS = settings(deadline=None, max_examples=12, derandomize=True)
 
 # A few fixed shapes, so that jit compiles each once.
-SMALL = mt.Config(vocab_size=61, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48,
-                  segment_length=8, memory_layers=(1,), memory_size=32, num_neighbors=8,
-                  memory_chunk=16, batch_size=2)
+SMALL = mt.Config(
+    vocab_size=61,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    head_dim=16,
+    d_ff=48,
+    segment_length=8,
+    memory_layers=(1,),
+    memory_size=32,
+    num_neighbors=8,
+    memory_chunk=16,
+    batch_size=2,
+)
 forward = jax.jit(mt.forward, static_argnames=("config", "return_retrievals", "ops"))
 OPS = pytest.mark.parametrize("ops", [mt.PLAIN, kernels.FAST], ids=["plain", "fast"])
 
@@ -61,7 +74,7 @@ def np_unit(x):
 
 
 def np_gelu(x):
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def reference_memory(dots, mask, config):
@@ -77,7 +90,7 @@ def reference_memory(dots, mask, config):
     for b in range(B):
         appended = []  # segments in the order they were written to the memory
         for n in range(N // T):
-            held = appended[-(M // T):]  # the last M // T appended segments, oldest first
+            held = appended[-(M // T) :]  # the last M // T appended segments, oldest first
             slot = {}  # key position -> its slot in the ring buffer
             for m in held:
                 first = (appended.index(m) * T) % M
@@ -95,7 +108,7 @@ def reference_memory(dots, mask, config):
                                 best[s % G] = j
                         picked = sorted(best.values(), key=lambda j: -dots[b, h, i, j])[:K]
                     chosen[b, h, i, picked] = True
-            if mask[b, n * T:(n + 1) * T].any():
+            if mask[b, n * T : (n + 1) * T].any():
                 appended.append(n)
     return chosen
 
@@ -116,7 +129,9 @@ def reference_forward(params, tokens, config, gate=None, mask=None):
     dist = i - j
     band = (dist >= 0) & ((dist <= T) if config.xl_cache else (i // T == j // T))
     band = band[None, None] & mask[:, None, None, :]  # [B, 1, N, N]
-    buckets = np.vectorize(lambda n: np_t5_bucket(max(n, 0), config.num_buckets, config.max_distance))(dist)
+    buckets = np.vectorize(
+        lambda n: np_t5_bucket(max(n, 0), config.num_buckets, config.max_distance)
+    )(dist)
     x = p["embed"][tokens]
     for layer, lp in enumerate(p["layers"]):
         h = np_rms_norm(x, lp["attn_norm"])
@@ -147,14 +162,18 @@ def stream(params, tokens, config, state=None, reset_first=True, ops=kernels.FAS
     for n in range(tokens.shape[1] // T):
         reset = jnp.full((B,), reset_first and n == 0)
         piece = slice(n * T, (n + 1) * T)
-        logits, state = forward(params, state, tokens[:, piece], reset, config, mask=mask[:, piece], ops=ops)
+        logits, state = forward(
+            params, state, tokens[:, piece], reset, config, mask=mask[:, piece], ops=ops
+        )
         out.append(logits)
     return jnp.concatenate(out, axis=1), state
 
 
 def random_tokens(seed, config, batch, segments):
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.integers(0, config.vocab_size, (batch, segments * config.segment_length)))
+    return jnp.asarray(
+        rng.integers(0, config.vocab_size, (batch, segments * config.segment_length))
+    )
 
 
 # ----------------------------------------------------------------------------- the session
@@ -202,14 +221,17 @@ def local_attention_loops(q, k, v, key_valid, bias, scale, T):
                 keys = [s for s in range(C + T) if key_valid[b, s] and 0 <= C + t - s <= T]
                 if not key_valid[b, C + t]:
                     continue
-                logits = [scale[h] * q[b, t, h] @ k[b, s, h] + bias[np_t5_bucket(C + t - s), h] for s in keys]
+                logits = [
+                    scale[h] * q[b, t, h] @ k[b, s, h] + bias[np_t5_bucket(C + t - s), h]
+                    for s in keys
+                ]
                 w = np.exp(np.array(logits) - max(logits))
                 out[b, t, h] = sum(wi * v[b, s, h] for wi, s in zip(w / w.sum(), keys))
     return out
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), xl=st.booleans(), reset=st.booleans())
+@given(seed=st.integers(0, 2**16), xl=st.booleans(), reset=st.booleans())
 def test_local_attention_equals_explicit_loops(seed, xl, reset):
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(xl_cache=xl)
@@ -221,9 +243,14 @@ def test_local_attention_equals_explicit_loops(seed, xl, reset):
         key_valid[:, :C] = False
     bias = rng.standard_normal((cfg.num_buckets, H)).astype(np.float32)
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    got = heads_first(jax.jit(mt.local_attention, static_argnums=6)(*map(heads_first, (q, k, v)), key_valid, bias,
-                                                                    scale, cfg))
-    np.testing.assert_allclose(got, local_attention_loops(q, k, v, key_valid, bias, scale, T), atol=1e-5, rtol=1e-5)
+    got = heads_first(
+        jax.jit(mt.local_attention, static_argnums=6)(
+            *map(heads_first, (q, k, v)), key_valid, bias, scale, cfg
+        )
+    )
+    np.testing.assert_allclose(
+        got, local_attention_loops(q, k, v, key_valid, bias, scale, T), atol=1e-5, rtol=1e-5
+    )
 
 
 def dense_local_attention(q, k, v, key_valid, bias, scale, T):
@@ -233,7 +260,10 @@ def dense_local_attention(q, k, v, key_valid, bias, scale, T):
     dist = (np.arange(T)[:, None] + C) - np.arange(C + T)[None, :]
     buckets = np.vectorize(lambda n: np_t5_bucket(max(n, 0)))(dist)
     visible = (dist >= 0) & (dist <= T)
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) * scale[None, :, None, None] + jnp.transpose(bias[buckets], (2, 0, 1))[None]
+    logits = (
+        jnp.einsum("bthd,bshd->bhts", q, k) * scale[None, :, None, None]
+        + jnp.transpose(bias[buckets], (2, 0, 1))[None]
+    )
     logits = jnp.where(visible[None, None] & key_valid[:, None, None, :], logits, -jnp.inf)
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
 
@@ -247,9 +277,17 @@ def local_attention_gradients(f, key_valid, cfg, seed=7):
     rng = np.random.default_rng(seed)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     args = [rng.standard_normal((B, n, H, D)) for n in (T, C + T, C + T)]
-    args += [rng.standard_normal((cfg.num_buckets, H)), rng.uniform(1, 5, H), rng.standard_normal((B, T, H, D))]
-    grad = lambda f, args: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a[:-1]) * a[-1]), argnums=(0, 1, 2, 3, 4)))(*args)
-    reference = lambda q, k, v, bias, scale: dense_local_attention(q, k, v, key_valid, bias, scale, T)
+    args += [
+        rng.standard_normal((cfg.num_buckets, H)),
+        rng.uniform(1, 5, H),
+        rng.standard_normal((B, T, H, D)),
+    ]
+    grad = lambda f, args: jax.jit(
+        jax.grad(lambda *a: jnp.sum(f(*a[:-1]) * a[-1]), argnums=(0, 1, 2, 3, 4))
+    )(*args)
+    reference = lambda q, k, v, bias, scale: dense_local_attention(
+        q, k, v, key_valid, bias, scale, T
+    )
     got, ref32 = (grad(f, [jnp.asarray(x, jnp.float32) for x in args]) for f in (f, reference))
     with jax.enable_x64(True):
         want = [np.asarray(g) for g in grad(reference, [jnp.asarray(x, jnp.float64) for x in args])]
@@ -264,25 +302,33 @@ def test_local_attention_gradients_equal_those_of_a_dense_softmax():
     cfg = SMALL
     C, T = cfg.cache_length, cfg.segment_length
     key_valid = jnp.asarray(np.random.default_rng(8).random((2, C + T)) < 0.8).at[:, C:].set(True)
-    model = lambda q, k, v, bias, scale: heads_first(mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias,
-                                                                        scale, cfg))
+    model = lambda q, k, v, bias, scale: heads_first(
+        mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg)
+    )
     got, want, rounding = local_attention_gradients(model, key_valid, cfg)
     for g, w, r, name in zip(got, want, rounding, ("q", "k", "v", "rel_bias", "scale")):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=max(5e-6 * np.abs(w).max(), 4 * r), err_msg=name)
+        np.testing.assert_allclose(
+            g, w, rtol=1e-4, atol=max(5e-6 * np.abs(w).max(), 4 * r), err_msg=name
+        )
 
 
 # ----------------------------------------------------------------------------- kNN attention
 def knn_pieces(name):
     """The pieces knn_attention retrieves and attends with: the plain ones, or the kernels'."""
-    search, attend = {"plain": (mt.memory_search, mt.attend_to_retrieved),
-                      "kernels": (kernels.memory_search, kernels.attend_to_retrieved),
-                      "in terms": (kernels.memory_search, kernels.attend_in_terms)}[name]
+    search, attend = {
+        "plain": (mt.memory_search, mt.attend_to_retrieved),
+        "kernels": (kernels.memory_search, kernels.attend_to_retrieved),
+        "in terms": (kernels.memory_search, kernels.attend_in_terms),
+    }[name]
     return mt.PLAIN._replace(memory_search=search, attend_to_retrieved=attend)
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([0, 1, 5, 8, 32]),
-       pieces=st.sampled_from(["plain", "kernels", "in terms"]))
+@given(
+    seed=st.integers(0, 2**16),
+    fill=st.sampled_from([0, 1, 5, 8, 32]),
+    pieces=st.sampled_from(["plain", "kernels", "in terms"]),
+)
 def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed, fill, pieces):
     """Exact top-k with k = number of valid entries retrieves them all: dense softmax over them.
     With the plain pieces, and with the kernels' (the attention over the retrieved pairs in either
@@ -297,9 +343,12 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
     for b in range(B):
         valid[b, rng.choice(M, fill, replace=False)] = True
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6))(heads_first(q), mk, mv, valid, scale, cfg,
-                                                                       knn_pieces(pieces))
-    w = np_softmax_masked(np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :])
+    out, has, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6))(
+        heads_first(q), mk, mv, valid, scale, cfg, knn_pieces(pieces)
+    )
+    w = np_softmax_masked(
+        np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None], valid[:, None, None, :]
+    )
     np.testing.assert_allclose(heads_first(out), np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
     assert np.all(np.asarray(has) == (fill > 0))
     assert np.all(np.isfinite(out))
@@ -326,7 +375,10 @@ def test_knn_attention_gradients_equal_those_of_dense_attention(pieces):
         return jnp.einsum("bhtm,bhmd->bhtd", w, mv)
 
     model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, knn_pieces(pieces))[0]
-    grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1)))(q, scale) for f in (model, dense)]
+    grads = [
+        jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1)))(q, scale)
+        for f in (model, dense)
+    ]
     for got, want, name in zip(*grads, ("q", "scale")):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
@@ -337,7 +389,9 @@ def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients(pieces):
     B, T, H, D, M = 1, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
     q = jnp.ones((B, H, T, D)) / math.sqrt(D)
     zeros = jnp.zeros((B, H, M, D))
-    f = lambda q: mt.knn_attention(q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg, knn_pieces(pieces))[0].sum()
+    f = lambda q: mt.knn_attention(
+        q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg, knn_pieces(pieces)
+    )[0].sum()
     value, g = jax.jit(jax.value_and_grad(f))(q)
     assert np.isfinite(value) and np.all(np.isfinite(g))
 
@@ -351,21 +405,35 @@ def params():
 def randomize(params, seed):
     """Non-trivial biases and gates, so that the tests see them."""
     rng = np.random.default_rng(seed)
-    layers = [dict(p, rel_bias=jnp.asarray(rng.standard_normal(p["rel_bias"].shape), jnp.float32),
-                   **({"gate_bias": jnp.asarray(rng.standard_normal(p["gate_bias"].shape), jnp.float32)}
-                      if "gate_bias" in p else {})) for p in params["layers"]]
+    layers = [
+        dict(
+            p,
+            rel_bias=jnp.asarray(rng.standard_normal(p["rel_bias"].shape), jnp.float32),
+            **(
+                {"gate_bias": jnp.asarray(rng.standard_normal(p["gate_bias"].shape), jnp.float32)}
+                if "gate_bias" in p
+                else {}
+            ),
+        )
+        for p in params["layers"]
+    ]
     return dict(params, layers=layers)
 
 
-@pytest.mark.parametrize("ops, attention", [(mt.PLAIN, "explicit"), (kernels.FAST, "explicit"), (kernels.FAST, "fused")],
-                         ids=["plain", "fast", "fast-fused"])
+@pytest.mark.parametrize(
+    "ops, attention",
+    [(mt.PLAIN, "explicit"), (kernels.FAST, "explicit"), (kernels.FAST, "fused")],
+    ids=["plain", "fast", "fast-fused"],
+)
 @pytest.mark.parametrize("xl", [True, False])
 def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl, ops, attention):
     cfg = SMALL.replace(memory_size=0, xl_cache=xl, attention=attention)
     params = randomize(mt.init_params(cfg, jax.random.PRNGKey(1)), 1)
     tokens = random_tokens(0, cfg, 2, 4)
     got, _ = stream(params, tokens, cfg, ops=ops)
-    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(
+        got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4
+    )
 
 
 @OPS
@@ -376,8 +444,12 @@ def test_memory_streaming_equals_dense_attention_to_earlier_segments(params, gat
     cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, xl_cache=xl)
     params = randomize(params, 2)
     if gate:  # b_g -> +inf gives memory-only attention, b_g -> -inf local-only
-        layers = [dict(p, gate_bias=jnp.full_like(p["gate_bias"], 1e4 if gate == "memory" else -1e4))
-                  if "gate_bias" in p else p for p in params["layers"]]
+        layers = [
+            dict(p, gate_bias=jnp.full_like(p["gate_bias"], 1e4 if gate == "memory" else -1e4))
+            if "gate_bias" in p
+            else p
+            for p in params["layers"]
+        ]
         params = dict(params, layers=layers)
     tokens = random_tokens(1, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
     got, _ = stream(params, tokens, cfg, ops=ops)
@@ -390,7 +462,9 @@ def test_memory_streaming_with_fused_local_attention_equals_dense_attention(para
     params = randomize(params, 3)
     tokens = random_tokens(4, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
     got, _ = stream(params, tokens, cfg)
-    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(
+        got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4
+    )
 
 
 @OPS
@@ -400,7 +474,9 @@ def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments(ops):
     tokens = random_tokens(2, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
     got, state = stream(params, tokens, cfg, ops=ops)
     assert state.mem_k.shape[1] == 2
-    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(
+        got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4
+    )
 
 
 def padded_document_mask(config, segments):
@@ -409,9 +485,9 @@ def padded_document_mask(config, segments):
     T = config.segment_length
     mask = np.ones((2, segments * T), bool)
     full = config.memory_size // T
-    mask[0, (full + 1) * T:(full + 2) * T] = False  # all padding, with the memory full
-    mask[0, (full + 3) * T + 5:(full + 4) * T] = False  # the tail of a segment
-    mask[1, 2 * T + 3:3 * T] = False
+    mask[0, (full + 1) * T : (full + 2) * T] = False  # all padding, with the memory full
+    mask[0, (full + 3) * T + 5 : (full + 4) * T] = False  # the tail of a segment
+    mask[1, 2 * T + 3 : 3 * T] = False
     return mask
 
 
@@ -444,13 +520,19 @@ def test_an_all_padding_segment_costs_the_memory_nothing(params, ops):
     full = mt.commit_memory(state, jnp.zeros(2, bool))
     assert np.asarray(full.mem_valid).sum(1).tolist() == [M, M]
     padding = jnp.asarray([[False] * T, [True] * T])
-    _, state = forward(params, state, random_tokens(14, cfg, 2, 1), jnp.zeros(2, bool), cfg,
-                       mask=padding, ops=ops)
-    _, state = forward(params, state, random_tokens(15, cfg, 2, 1), jnp.zeros(2, bool), cfg, ops=ops)
+    _, state = forward(
+        params, state, random_tokens(14, cfg, 2, 1), jnp.zeros(2, bool), cfg, mask=padding, ops=ops
+    )
+    _, state = forward(
+        params, state, random_tokens(15, cfg, 2, 1), jnp.zeros(2, bool), cfg, ops=ops
+    )
     assert np.asarray(state.mem_valid).sum(1).tolist() == [M, M]
     # Row 0's memory is the one it had when full: the padded segment took no slot.
     np.testing.assert_array_equal(state.mem_k[0], full.mem_k[0])
-    assert np.asarray(state.mem_pos).tolist() == [int(full.mem_pos[0]), (int(full.mem_pos[1]) + T) % M]
+    assert np.asarray(state.mem_pos).tolist() == [
+        int(full.mem_pos[0]),
+        (int(full.mem_pos[1]) + T) % M,
+    ]
 
 
 @SETTINGS
@@ -484,8 +566,8 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
     slots_per_segment = M // T
     for age, keys in enumerate(reversed(written[-slots_per_segment:])):  # newest first
         start = ((n - 1 - age) * T) % M
-        np.testing.assert_array_equal(mem_k[:, 0, :, start:start + T], keys)
-        assert valid[:, start:start + T].all()
+        np.testing.assert_array_equal(mem_k[:, 0, :, start : start + T], keys)
+        assert valid[:, start : start + T].all()
     assert pos.tolist() == [(n * T) % M] * 2
     # A reset clears only the flagged rows.
     _, state = forward(params, state, random_tokens(7, cfg, 2, 1), jnp.array([True, False]), cfg)
@@ -493,7 +575,9 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
     assert valid.sum(1).tolist() == [T, min((n + 1) * T, M)]
 
 
-@pytest.mark.parametrize("reset", [[False] * 4, [True, False, True, False], [False, False, False, True], [True] * 4])
+@pytest.mark.parametrize(
+    "reset", [[False] * 4, [True, False, True, False], [False, False, False, True], [True] * 4]
+)
 def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(reset):
     """Ethics section: a reset row's memory is zeros, not only flagged invalid; the other rows
     keep every slot and get the pending segment at their write position. Numpy reference."""
@@ -502,17 +586,26 @@ def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(r
     state = mt.init_state(cfg, 4)
     draw = lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
     pos = np.array([0, T, M - T, 2 * T]) % M
-    state = state._replace(mem_k=draw(state.mem_k), mem_v=draw(state.mem_v), pending_k=draw(state.pending_k),
-                           pending_v=draw(state.pending_v), mem_valid=jnp.ones((4, M), bool),
-                           pending_valid=jnp.ones((4, T), bool), mem_pos=jnp.asarray(pos, jnp.int32))
+    state = state._replace(
+        mem_k=draw(state.mem_k),
+        mem_v=draw(state.mem_v),
+        pending_k=draw(state.pending_k),
+        pending_v=draw(state.pending_v),
+        mem_valid=jnp.ones((4, M), bool),
+        pending_valid=jnp.ones((4, T), bool),
+        mem_pos=jnp.asarray(pos, jnp.int32),
+    )
     got = jax.jit(mt.commit_memory)(state, jnp.asarray(reset))
-    for mem, pending, new in ((state.mem_k, state.pending_k, got.mem_k), (state.mem_v, state.pending_v, got.mem_v)):
+    for mem, pending, new in (
+        (state.mem_k, state.pending_k, got.mem_k),
+        (state.mem_v, state.pending_v, got.mem_v),
+    ):
         want = np.array(mem)
         for b in range(4):
             if reset[b]:
                 want[b] = 0
             else:
-                want[b, :, :, pos[b]:pos[b] + T] = pending[b]
+                want[b, :, :, pos[b] : pos[b] + T] = pending[b]
         np.testing.assert_array_equal(new, want)
     assert np.asarray(got.mem_pos).tolist() == [0 if r else (p + T) % M for r, p in zip(reset, pos)]
 
@@ -531,13 +624,22 @@ def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it()
         opt_state = jax.eval_shape(train.make_optimizer(c)[0], params)
         state = jax.eval_shape(lambda: mt.init_state(c, c.batch_size))
         tokens = jax.ShapeDtypeStruct((c.batch_size, c.segment_length), jnp.int32)
-        batch = {"tokens": tokens, "targets": tokens, "mask": jax.ShapeDtypeStruct(tokens.shape, bool),
-                 "reset": jax.ShapeDtypeStruct((c.batch_size,), bool)}
+        batch = {
+            "tokens": tokens,
+            "targets": tokens,
+            "mask": jax.ShapeDtypeStruct(tokens.shape, bool),
+            "reset": jax.ShapeDtypeStruct((c.batch_size,), bool),
+        }
         # On a GPU, XLA then picks each matmul's kernel by its defaults, not by timing candidates
         # on the card, which could give one size a library matmul with its own workspace.
-        step = train.make_train_step(train.step_config(c)).lower(params, opt_state, state, batch).compile(
-            compiler_options={"xla_gpu_autotune_level": 0})
-        storage = sum(x.size * x.dtype.itemsize for x in (state.mem_k, state.mem_v))  # [B, Lm, H, M, D] each
+        step = (
+            train.make_train_step(train.step_config(c))
+            .lower(params, opt_state, state, batch)
+            .compile(compiler_options={"xla_gpu_autotune_level": 0})
+        )
+        storage = sum(
+            x.size * x.dtype.itemsize for x in (state.mem_k, state.mem_v)
+        )  # [B, Lm, H, M, D] each
         return step.memory_analysis(), storage
 
     (small, small_storage), (big, big_storage) = compiled(64), compiled(1024)
@@ -549,8 +651,14 @@ def test_padding_is_never_stored_as_a_valid_entry(params):
     cfg = SMALL
     mask = np.ones((2, cfg.segment_length), bool)
     mask[0, 5:] = False
-    _, state = forward(params, mt.init_state(cfg, 2), random_tokens(0, cfg, 2, 1), jnp.ones(2, bool), cfg,
-                       mask=jnp.asarray(mask))
+    _, state = forward(
+        params,
+        mt.init_state(cfg, 2),
+        random_tokens(0, cfg, 2, 1),
+        jnp.ones(2, bool),
+        cfg,
+        mask=jnp.asarray(mask),
+    )
     valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool)).mem_valid)
     assert valid.sum(1).tolist() == [5, cfg.segment_length]
     assert np.asarray(state.cache_valid).sum(1).tolist() == [5, cfg.segment_length]
@@ -567,28 +675,32 @@ def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(param
     # Row 0 starts a new document; row 1 continues its old one.
     logits, out = [], state
     for n in range(3):
-        seg = doc[:, n * cfg.segment_length:(n + 1) * cfg.segment_length]
+        seg = doc[:, n * cfg.segment_length : (n + 1) * cfg.segment_length]
         lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg, ops=kernels.FAST)
         logits.append(lg)
     logits = jnp.concatenate(logits, axis=1)
     fresh, _ = stream(params, doc[:1], cfg, ops=kernels.FAST)
     np.testing.assert_allclose(logits[0], fresh[0], atol=1e-5, rtol=1e-5)
     # Row 1 alone, with the same history, gives the same numbers as in the batch.
-    alone, _ = stream(params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg, ops=kernels.FAST)
-    np.testing.assert_allclose(logits[1], alone[0, history.shape[1]:], atol=1e-5, rtol=1e-5)
+    alone, _ = stream(
+        params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg, ops=kernels.FAST
+    )
+    np.testing.assert_allclose(logits[1], alone[0, history.shape[1] :], atol=1e-5, rtol=1e-5)
 
 
 def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_local_path(params):
     cfg = SMALL
     params = randomize(params, 3)
     tokens = random_tokens(5, cfg, 2, 3)
-    _, state = stream(params, tokens[:, :2 * cfg.segment_length], cfg, ops=kernels.FAST)
-    seg = tokens[:, 2 * cfg.segment_length:]
+    _, state = stream(params, tokens[:, : 2 * cfg.segment_length], cfg, ops=kernels.FAST)
+    seg = tokens[:, 2 * cfg.segment_length :]
 
     names = ("cache_k", "cache_v", "mem_k", "mem_v", "pending_k", "pending_v")
 
     def f(params, arrays):
-        logits, _ = mt.forward(params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg, ops=kernels.FAST)
+        logits, _ = mt.forward(
+            params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg, ops=kernels.FAST
+        )
         return mt.loss(logits, seg, jnp.ones(seg.shape, bool))
 
     gp, gs = jax.jit(jax.grad(f, argnums=(0, 1)))(params, {n: getattr(state, n) for n in names})
@@ -604,8 +716,9 @@ def test_memory_off_ablation_equals_local_only_reference(params):
     params = randomize(params, 4)
     tokens = random_tokens(6, cfg, 2, 3)
     got, _ = stream(mt.memory_off(params), tokens, cfg, ops=kernels.FAST)
-    np.testing.assert_allclose(got, reference_forward(params, np.asarray(tokens), cfg, gate="local"),
-                               atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(
+        got, reference_forward(params, np.asarray(tokens), cfg, gate="local"), atol=2e-4, rtol=2e-4
+    )
 
 
 def test_return_retrievals_gives_valid_slots_of_the_current_document(params):
@@ -614,7 +727,9 @@ def test_return_retrievals_gives_valid_slots_of_the_current_document(params):
     tokens = random_tokens(8, cfg, 2, 2)
     T = cfg.segment_length
     _, state = forward(params, state, tokens[:, :T], jnp.ones(2, bool), cfg)
-    _, _, ret = forward(params, state, tokens[:, T:], jnp.zeros(2, bool), cfg, return_retrievals=True)
+    _, _, ret = forward(
+        params, state, tokens[:, T:], jnp.zeros(2, bool), cfg, return_retrievals=True
+    )
     (r,) = ret
     assert r["slots"].shape == (2, cfg.num_heads, T, cfg.num_neighbors)
     w = np.asarray(r["weights"])
@@ -633,17 +748,20 @@ def test_check_tokens_names_the_first_out_of_range_id(bad):
         mt.check_tokens(tokens, SMALL.vocab_size)
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"memory_size": 100}, "multiple of segment_length"),
-    ({"num_neighbors": 64, "memory_size": 32}, "num_neighbors"),
-    ({"memory_layers": (2,)}, "out of range"),
-    ({"memory_layers": ()}, "names no layer"),
-    ({"d_model": 30, "num_heads": 4, "head_dim": 8}, "head_dim"),
-    ({"segment_length": 0}, "segment_length"),
-    ({"memory_size": -8}, "memory_size"),
-    ({"dtype": "float16"}, "dtype"),
-    ({"max_distance": 16}, "max_distance"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"memory_size": 100}, "multiple of segment_length"),
+        ({"num_neighbors": 64, "memory_size": 32}, "num_neighbors"),
+        ({"memory_layers": (2,)}, "out of range"),
+        ({"memory_layers": ()}, "names no layer"),
+        ({"d_model": 30, "num_heads": 4, "head_dim": 8}, "head_dim"),
+        ({"segment_length": 0}, "segment_length"),
+        ({"memory_size": -8}, "memory_size"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"max_distance": 16}, "max_distance"),
+    ],
+)
 def test_config_rejects_bad_fields_with_a_clear_sentence(changes, field):
     with pytest.raises(ValueError, match=field):
         SMALL.replace(**changes)
@@ -651,9 +769,22 @@ def test_config_rejects_bad_fields_with_a_clear_sentence(changes, field):
 
 def test_presets_are_valid_and_paper_matches_section_4_2():
     p = mt.PRESETS["paper"]
-    assert (p.num_layers, p.d_model, p.num_heads, p.head_dim, p.d_ff, p.vocab_size) == (12, 1024, 8, 128, 4096, 32768)
-    assert (p.segment_length, p.xl_cache, p.memory_layers, p.memory_size, p.num_neighbors) == (512, True, (8,), 8192, 32)
-    assert p.batch_size * p.segment_length == 2 ** 17
+    assert (p.num_layers, p.d_model, p.num_heads, p.head_dim, p.d_ff, p.vocab_size) == (
+        12,
+        1024,
+        8,
+        128,
+        4096,
+        32768,
+    )
+    assert (p.segment_length, p.xl_cache, p.memory_layers, p.memory_size, p.num_neighbors) == (
+        512,
+        True,
+        (8,),
+        8192,
+        32,
+    )
+    assert p.batch_size * p.segment_length == 2**17
 
 
 def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
@@ -661,11 +792,18 @@ def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
     tokens = random_tokens(9, SMALL, 2, 3)
     want, _ = stream(params, tokens, SMALL)
     got, state = stream(params, tokens, SMALL.replace(dtype="bfloat16"))
-    assert got.dtype == jnp.float32 and state.mem_k.dtype == state.cache_k.dtype == jnp.bfloat16  # as dtype
-    assert mt.init_state(SMALL.replace(dtype="bfloat16", memory_dtype="float32"), 1).mem_k.dtype == jnp.float32
+    assert (
+        got.dtype == jnp.float32 and state.mem_k.dtype == state.cache_k.dtype == jnp.bfloat16
+    )  # as dtype
+    assert (
+        mt.init_state(SMALL.replace(dtype="bfloat16", memory_dtype="float32"), 1).mem_k.dtype
+        == jnp.float32
+    )
     assert np.all(np.isfinite(got))
     # bf16 keeps 8 bits of mantissa: logits agree to a few hundredths of their spread.
-    assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 0.1 * np.std(np.asarray(want)) + 0.05
+    assert (
+        np.max(np.abs(np.asarray(got) - np.asarray(want))) < 0.1 * np.std(np.asarray(want)) + 0.05
+    )
 
 
 @functools.partial(jax.jit, static_argnames="ops")
@@ -676,8 +814,11 @@ def loss_and_grad(params, state, tokens, reset, mask, ops):
 
 
 @SETTINGS
-@given(history=st.integers(0, 3), reset=st.lists(st.booleans(), min_size=2, max_size=2),
-       valid=st.lists(st.integers(0, SMALL.segment_length), min_size=2, max_size=2))
+@given(
+    history=st.integers(0, 3),
+    reset=st.lists(st.booleans(), min_size=2, max_size=2),
+    valid=st.lists(st.integers(0, SMALL.segment_length), min_size=2, max_size=2),
+)
 def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, reset, valid):
     """A document's first token with an empty memory and cache, all-padding segments, any fill."""
     cfg = SMALL
@@ -687,7 +828,9 @@ def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, res
     mask = jnp.arange(cfg.segment_length)[None, :] < jnp.asarray(valid)[:, None]  # [B, T]
     seg = random_tokens(11, cfg, 2, 1)
 
-    (value, logits), grads = loss_and_grad(params, state, seg, jnp.asarray(reset), mask, ops=kernels.FAST)
+    (value, logits), grads = loss_and_grad(
+        params, state, seg, jnp.asarray(reset), mask, ops=kernels.FAST
+    )
     assert np.isfinite(value) and np.all(np.isfinite(logits))
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
@@ -701,8 +844,15 @@ def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retri
     def run_b(state):
         out = []
         for n in range(3):
-            logits, state, (r,) = forward(params, state, doc[:, n * T:(n + 1) * T], jnp.full((2,), n == 0), cfg,
-                                          return_retrievals=True, ops=kernels.FAST)
+            logits, state, (r,) = forward(
+                params,
+                state,
+                doc[:, n * T : (n + 1) * T],
+                jnp.full((2,), n == 0),
+                cfg,
+                return_retrievals=True,
+                ops=kernels.FAST,
+            )
             out.append((np.asarray(logits), np.asarray(r["slots"]), np.asarray(r["weights"])))
         return out
 

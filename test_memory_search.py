@@ -3,6 +3,7 @@ then the top-k of the bins' winners) and kernels.memory_search (in pieces, each 
 packed with its row in one int32, the top-k in passes on a CPU), each against numpy: a sort,
 explicit loops over the slots; and the binned search's recall against the exact one.
 """
+
 import math
 
 import jax
@@ -27,9 +28,14 @@ def search(name, q, mk, valid, cfg):
 
 # ----------------------------------------------------------------------------- exact search
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), name=st.sampled_from(sorted(SEARCHES)))
+@given(
+    seed=st.integers(0, 2**16),
+    fill=st.sampled_from([8, 20, 64]),
+    name=st.sampled_from(sorted(SEARCHES)),
+)
 def test_exact_memory_search_equals_numpy_top_k(seed, fill, name):
-    """The kernel's in pieces of 16 slots: each piece's top-k are candidates for the top-k of all."""
+    """The kernel's in pieces of 16 slots: each piece's top-k are candidates for the top-k of
+    all."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(exact_topk=True, memory_size=64, memory_chunk=16)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
@@ -40,11 +46,19 @@ def test_exact_memory_search_equals_numpy_top_k(seed, fill, name):
     scores, slots = search(name, q, mk, valid, cfg)
     s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
     want = np.sort(s, axis=-1)[..., ::-1][..., :K]
-    got = np.where(np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), slots, -1), scores, -np.inf)
+    got = np.where(
+        np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), slots, -1),
+        scores,
+        -np.inf,
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The slots are the ones holding those scores.
-    np.testing.assert_allclose(np.take_along_axis(s, slots, -1)[..., :min(K, fill)], want[..., :min(K, fill)],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.take_along_axis(s, slots, -1)[..., : min(K, fill)],
+        want[..., : min(K, fill)],
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- approximate top-k
@@ -58,11 +72,19 @@ def integer_search(rng, cfg, fill, name):
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
     scores, slots = search(name, q, mk, valid, cfg)
-    return scores, slots, np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
+    return (
+        scores,
+        slots,
+        np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf),
+    )
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([8, 20, 64]), name=st.sampled_from(sorted(SEARCHES)))
+@given(
+    seed=st.integers(0, 2**16),
+    fill=st.sampled_from([8, 20, 64]),
+    name=st.sampled_from(sorted(SEARCHES)),
+)
 def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fill, name):
     """M = 64 <= num_topk_bins: every slot is a bin of its own. Integer scores, many of them equal:
     the exact top-k, the lower slot first among equal scores (as a stable sort)."""
@@ -76,8 +98,12 @@ def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fil
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), fill=st.sampled_from([5, 40, 300, 1024]), chunk=st.sampled_from([4, 32, 512]),
-       name=st.sampled_from(sorted(SEARCHES)))
+@given(
+    seed=st.integers(0, 2**16),
+    fill=st.sampled_from([5, 40, 300, 1024]),
+    chunk=st.sampled_from([4, 32, 512]),
+    name=st.sampled_from(sorted(SEARCHES)),
+)
 @example(seed=2, fill=1024, chunk=512, name="kernel")  # pieces of 4 whole rows
 def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, name):
     """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots, the
@@ -91,12 +117,16 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
     scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, name)
     valid = np.isfinite(s[:, 0, 0])  # [B, M]
     best, best_slot = np.full((B, H, T, L), -np.inf), np.zeros((B, H, T, L), int)
-    for slot in range(M):  # the bins' maxima, one slot at a time: the first slot of a bin's best score
+    for slot in range(
+        M
+    ):  # the bins' maxima, one slot at a time: the first slot of a bin's best score
         better = s[..., slot] > best[..., slot % L]
         best[..., slot % L] = np.where(better, s[..., slot], best[..., slot % L])
         best_slot[..., slot % L] = np.where(better, slot, best_slot[..., slot % L])
     found = min([K] + [len(set(np.flatnonzero(v) % L)) for v in valid])  # bins holding a valid slot
-    want = np.argsort(-best, axis=-1, kind="stable")[..., :found]  # the best bins, the lower one first among equals
+    want = np.argsort(-best, axis=-1, kind="stable")[
+        ..., :found
+    ]  # the best bins, the lower one first among equals
     np.testing.assert_array_equal(slots[..., :found], np.take_along_axis(best_slot, want, -1))
     np.testing.assert_array_equal(scores[..., :found], np.take_along_axis(best, want, -1))
 
@@ -112,16 +142,18 @@ def test_the_kernels_binned_search_ranks_float32_scores_to_their_leading_mantiss
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
     first = rng.standard_normal((B, H, M)) + 1.0
     first[..., :39] += 3 * (np.arange(39) % 3 < 2)  # the pairs that get twins: near the top
-    first[..., 1:40:3] = first[..., 0:39:3] * (1 + 1.5 * 2.0 ** -17)  # twins above their neighbour
-    first[..., 41:64:2] = first[..., 40:63:2] * (1 + 2.0 ** -22)
+    first[..., 1:40:3] = first[..., 0:39:3] * (1 + 1.5 * 2.0**-17)  # twins above their neighbour
+    first[..., 41:64:2] = first[..., 40:63:2] * (1 + 2.0**-22)
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     mk[..., 0] = first
     q = np.zeros((B, T, H, D), np.float32)
     q[..., 0] = 1.0
     scores, slots = search("kernel", q, mk, np.ones((B, M), bool), cfg)
     s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M], exact in float32
-    np.testing.assert_array_equal(scores, np.take_along_axis(s, slots, -1))  # one slot a bin: no bits lost
-    tol = lambda a, b: 2.0 ** -16 * np.maximum(abs(a), abs(b))
+    np.testing.assert_array_equal(
+        scores, np.take_along_axis(s, slots, -1)
+    )  # one slot a bin: no bits lost
+    tol = lambda a, b: 2.0**-16 * np.maximum(abs(a), abs(b))
     pairs = 0
     for row_s, row_slots in zip(s.reshape(-1, M), slots.reshape(-1, K)):
         assert len(set(row_slots.tolist())) == K
@@ -137,9 +169,11 @@ def test_the_kernels_binned_search_ranks_float32_scores_to_their_leading_mantiss
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), shape=st.sampled_from([(3, 5, 16), (7, 16), (2, 40), (4, 3, 96), (2, 3, 512),
-                                                           (2, 600)]),
-       k=st.sampled_from([1, 5, 16]))
+@given(
+    seed=st.integers(0, 2**16),
+    shape=st.sampled_from([(3, 5, 16), (7, 16), (2, 40), (4, 3, 96), (2, 3, 512), (2, 600)]),
+    k=st.sampled_from([1, 5, 16]),
+)
 @example(seed=0, shape=(7, 16), k=5)  # 7 rows in blocks of 4: the last block padded
 def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
     """The top-k of the bins' winners: the k largest of each row's distinct int32 keys, largest
@@ -147,12 +181,24 @@ def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
     last one padded where they do not divide) or all rows; and by top_k, the backend's way. The
     keys of the largest and smallest floats among them."""
     rng = np.random.default_rng(seed)
-    x = np.stack([rng.choice(np.arange(-2 ** 20, 2 ** 20), shape[-1], replace=False)  # distinct within a row
-                  for _ in range(int(np.prod(shape[:-1])))]).reshape(shape).astype(np.int32)
-    x[..., 0] -= 2 ** 30  # far below the rest, as the keys of invalid slots' scores are
-    x.reshape(-1, shape[-1])[0, :2] = kernels._pack(jnp.asarray([-3.4e38, 3.4e38], jnp.float32), 0, 0)
+    x = (
+        np.stack(
+            [
+                rng.choice(
+                    np.arange(-(2**20), 2**20), shape[-1], replace=False
+                )  # distinct within a row
+                for _ in range(int(np.prod(shape[:-1])))
+            ]
+        )
+        .reshape(shape)
+        .astype(np.int32)
+    )
+    x[..., 0] -= 2**30  # far below the rest, as the keys of invalid slots' scores are
+    x.reshape(-1, shape[-1])[0, :2] = kernels._pack(
+        jnp.asarray([-3.4e38, 3.4e38], jnp.float32), 0, 0
+    )
     want = -np.sort(-x.astype(np.int64), axis=-1)[..., :k]
-    for block in [16, 64, 2 ** 21]:
+    for block in [16, 64, 2**21]:
         got = jax.jit(kernels.top_k_in_passes, static_argnums=(1, 2))(jnp.asarray(x), k, block)
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(jax.jit(kernels.top_k, static_argnums=1)(jnp.asarray(x), k), want)
@@ -163,14 +209,26 @@ def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
 def test_the_bin_layout_has_rows_of_a_power_of_two_the_largest_that_leaves_enough_bins():
     """bin_layout: M = rows * L, rows a power of two dividing M, L at least num_topk_bins, and no
     larger power of two would do; L = num_topk_bins where M is a power of two."""
-    for k, m in [(8, 64), (32, 512), (32, 768), (32, 1024), (32, 8192), (32, 3 * 2 ** 12), (32, 65536), (4, 40)]:
+    for k, m in [
+        (8, 64),
+        (32, 512),
+        (32, 768),
+        (32, 1024),
+        (32, 8192),
+        (32, 3 * 2**12),
+        (32, 65536),
+        (4, 40),
+    ]:
         need = mt.num_topk_bins(k, m, 0.95)
         L, rows = mt.bin_layout(k, m, 0.95)
         assert L * rows == m and rows & (rows - 1) == 0 and L >= need
         assert m % (2 * rows) or m // (2 * rows) < need  # the largest such rows
         if m & (m - 1) == 0:
             assert L == need
-    assert mt.bin_layout(32, 768, 0.95) == (768, 1) and mt.bin_layout(32, 3 * 2 ** 12, 0.95) == (768, 16)
+    assert mt.bin_layout(32, 768, 0.95) == (768, 1) and mt.bin_layout(32, 3 * 2**12, 0.95) == (
+        768,
+        16,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SEARCHES))
@@ -181,7 +239,14 @@ def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(t
     for k, m in [(1, 8), (8, 32), (32, 512), (32, 65536), (24, 40)]:
         assert min(k, m) <= mt.num_topk_bins(k, m, target) <= m
     cfg = SMALL.replace(topk_recall_target=target)
-    B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size, cfg.num_neighbors
+    B, T, H, D, M, K = (
+        2,
+        cfg.segment_length,
+        cfg.num_heads,
+        cfg.head_dim,
+        cfg.memory_size,
+        cfg.num_neighbors,
+    )
     L = mt.num_topk_bins(K, M, target)
     rng = np.random.default_rng(0)
     q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)  # integer scores: exact keys
@@ -196,15 +261,27 @@ def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(t
 
 
 def recall(slots, exact_slots):
-    hits = [len(set(a) & set(b)) for a, b in zip(slots.reshape(-1, slots.shape[-1]).tolist(),
-                                                 exact_slots.reshape(-1, slots.shape[-1]).tolist())]
+    hits = [
+        len(set(a) & set(b))
+        for a, b in zip(
+            slots.reshape(-1, slots.shape[-1]).tolist(),
+            exact_slots.reshape(-1, slots.shape[-1]).tolist(),
+        )
+    ]
     return sum(hits) / exact_slots.size
 
 
 @pytest.mark.parametrize("name", sorted(SEARCHES))
 @pytest.mark.parametrize("memory_size", [8192, 65536])
 def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size, name):
-    cfg = mt.Config(memory_size=memory_size, segment_length=64, num_neighbors=32, head_dim=32, num_heads=1, d_model=32)
+    cfg = mt.Config(
+        memory_size=memory_size,
+        segment_length=64,
+        num_neighbors=32,
+        head_dim=32,
+        num_heads=1,
+        d_model=32,
+    )
     rng = np.random.default_rng(0)
     q = np_unit(rng.standard_normal((1, 64, 1, 32))).astype(np.float32)
     mk = np_unit(rng.standard_normal((1, 1, memory_size, 32))).astype(np.float32)
@@ -222,14 +299,16 @@ def test_packed_scores_sort_like_the_scores_and_carry_their_row(bits):
     bfloat16 scores (16 zero low bits once widened) come back exactly; float32 ones lose the low
     `bits` bits of their mantissa and nothing more."""
     rng = np.random.default_rng(bits)
-    row = rng.integers(0, 2 ** bits, (3, 4096)).astype(np.int32)
+    row = rng.integers(0, 2**bits, (3, 4096)).astype(np.int32)
     x16 = np.asarray(jnp.asarray(rng.standard_normal((3, 4096)), jnp.bfloat16), np.float32)
     value, got_row = kernels._unpack(kernels._pack(jnp.asarray(x16), jnp.asarray(row), bits), bits)
     np.testing.assert_array_equal(value, x16)
     np.testing.assert_array_equal(got_row, row)
     x32 = rng.standard_normal((3, 4096)).astype(np.float32)
     key = np.asarray(kernels._pack(jnp.asarray(x32), jnp.zeros_like(row), bits))
-    assert np.all(np.diff(np.take_along_axis(key, np.argsort(x32, axis=-1), -1), axis=-1) >= 0)  # monotone
+    assert np.all(
+        np.diff(np.take_along_axis(key, np.argsort(x32, axis=-1), -1), axis=-1) >= 0
+    )  # monotone
     value, got_row = kernels._unpack(jnp.asarray(key), bits)
     np.testing.assert_allclose(value, x32, rtol=2.0 ** (bits - 23), atol=0)
     assert np.all(np.asarray(got_row) == 0)
@@ -238,11 +317,23 @@ def test_packed_scores_sort_like_the_scores_and_carry_their_row(bits):
 @pytest.mark.parametrize("name", sorted(SEARCHES))
 def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095(name):
     """Mixed precision searches bf16 keys with bf16 scores; against float32 exact top-k."""
-    cfg = mt.Config(memory_size=8192, segment_length=64, num_neighbors=32, head_dim=128, num_heads=1, d_model=128)
+    cfg = mt.Config(
+        memory_size=8192,
+        segment_length=64,
+        num_neighbors=32,
+        head_dim=128,
+        num_heads=1,
+        d_model=128,
+    )
     rng = np.random.default_rng(1)
     q = np_unit(rng.standard_normal((1, 64, 1, 128))).astype(np.float32)
     mk = np_unit(rng.standard_normal((1, 1, 8192, 128))).astype(np.float32)
-    _, approx = SEARCHES[name](heads_first(jnp.asarray(q, jnp.bfloat16)), jnp.asarray(mk, jnp.bfloat16),
-                               np.ones((1, 8192), bool), jnp.full(1, math.sqrt(128)), cfg)
+    _, approx = SEARCHES[name](
+        heads_first(jnp.asarray(q, jnp.bfloat16)),
+        jnp.asarray(mk, jnp.bfloat16),
+        np.ones((1, 8192), bool),
+        jnp.full(1, math.sqrt(128)),
+        cfg,
+    )
     _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
     assert recall(np.asarray(approx), np.asarray(exact)) >= 0.95

@@ -1,6 +1,7 @@
 """Several processes, one run (multihost.py), on the CPU: two train.py processes on localhost, each
 with two forced host devices, joined by jax.distributed with Gloo, against one process of four
 devices; a resume after one process was killed; the refusals before anything is written."""
+
 import json
 import os
 import re
@@ -33,11 +34,14 @@ def free_port(low=None):
 
 
 def env(devices, proxy=None):
-    """The session's settings (conftest), on a CPU of `devices` devices, with `proxy` as the only HTTP
-    proxy: gRPC, which joins the processes, would send even localhost through one."""
+    """The session's settings (conftest), on a CPU of `devices` devices, with `proxy` as the only
+    HTTP proxy: gRPC, which joins the processes, would send even localhost through one."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     return {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()} | dict(
-        JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **({"http_proxy": proxy, "https_proxy": proxy} if proxy else {}))
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=flags,
+        **({"http_proxy": proxy, "https_proxy": proxy} if proxy else {}),
+    )
 
 
 def start(argv, processes=2, devices=2, timeout=TIMEOUT, only=None, slurm=False, proxy=None):
@@ -46,14 +50,43 @@ def start(argv, processes=2, devices=2, timeout=TIMEOUT, only=None, slurm=False,
     from the variables `srun` sets, and JAX its coordinator (on the port that the job id names);
     proxy: an HTTP proxy in their environment."""
     port = free_port(65536 - 4096 if slurm else None)
-    several = lambda i: (["--coordinator", f"localhost:{port}", "--num-processes", str(processes), "--process-id",
-                          str(i)] if processes > 1 and not slurm else []) + ["--coordinator-timeout", str(timeout)]
-    launcher = lambda i: dict(SLURM_JOB_ID=str(port - (65536 - 4096)), SLURM_STEP_NODELIST="localhost",
-                              SLURM_NTASKS=str(processes), SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) if slurm else {}
-    return [subprocess.Popen([sys.executable, "train.py"] + argv + several(i) + (only or {}).get(i, []), cwd=HERE,
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=env(devices, proxy) | launcher(i))
-            for i in reversed(range(processes))][::-1]
+    several = lambda i: (
+        (
+            [
+                "--coordinator",
+                f"localhost:{port}",
+                "--num-processes",
+                str(processes),
+                "--process-id",
+                str(i),
+            ]
+            if processes > 1 and not slurm
+            else []
+        )
+        + ["--coordinator-timeout", str(timeout)]
+    )
+    launcher = lambda i: (
+        dict(
+            SLURM_JOB_ID=str(port - (65536 - 4096)),
+            SLURM_STEP_NODELIST="localhost",
+            SLURM_NTASKS=str(processes),
+            SLURM_PROCID=str(i),
+            SLURM_LOCALID=str(i),
+        )
+        if slurm
+        else {}
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, "train.py"] + argv + several(i) + (only or {}).get(i, []),
+            cwd=HERE,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env(devices, proxy) | launcher(i),
+        )
+        for i in reversed(range(processes))
+    ][::-1]
 
 
 def finish(procs):
@@ -72,11 +105,25 @@ def multihost_runs(tmp_path_factory, cache):
     SLURM starts them; and in 2 x 2 with the flags, where process 1 is killed once a checkpoint is
     saved, then resumed in 2 x 2. Each run's directory and what its processes printed."""
     tmp = tmp_path_factory.mktemp("multihost")
-    argv = lambda name: FAST + ["--steps", str(STEPS), "--save-every", "1", "--eval-every", "0", "--out",
-                                str(tmp / name), "--cache-dir", cache]
+    argv = lambda name: (
+        FAST
+        + [
+            "--steps",
+            str(STEPS),
+            "--save-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--out",
+            str(tmp / name),
+            "--cache-dir",
+            cache,
+        ]
+    )
     one, two = start(argv("one"), processes=1, devices=4), start(argv("two"), slurm=True)
     done = {"one": finish(one), "two": finish(two)}
-    # (every program is compiled, and cached, before its first checkpoint; a proxy that answers nothing
+    # (every program is compiled, and cached, before its first checkpoint; a proxy that answers
+    # nothing
     # is in the environment, and the coordinator is reached without it)
     killed = start(argv("killed"), proxy="http://127.0.0.1:9")
     while not os.path.exists(tmp / "killed" / "checkpoint.npz") and killed[0].poll() is None:
@@ -98,13 +145,18 @@ def test_two_processes_of_two_devices_train_as_one_process_of_four(multihost_run
     tmp, done = multihost_runs
     for name in ("one", "two"):
         assert all(code == 0 for code, _, _ in done[name]), done[name]
-    assert "device cpu x4 in 2 processes" in done["two"][0][1] and "device cpu x4," in done["one"][0][1]
+    assert (
+        "device cpu x4 in 2 processes" in done["two"][0][1]
+        and "device cpu x4," in done["one"][0][1]
+    )
     one, two = arrays(tmp / "one"), arrays(tmp / "two")
     assert one[0]["step"] == two[0]["step"] == STEPS and sorted(one[1]) == sorted(two[1])
     for key in one[1]:
         scale = max(1.0, float(np.abs(one[1][key]).max())) if one[1][key].dtype.kind == "f" else 0
         np.testing.assert_allclose(two[1][key], one[1][key], rtol=0, atol=1e-5 * scale, err_msg=key)
-    losses = lambda run: [r["loss"] for r in map(json.loads, open(tmp / run / "metrics.jsonl")) if "loss" in r]
+    losses = lambda run: [
+        r["loss"] for r in map(json.loads, open(tmp / run / "metrics.jsonl")) if "loss" in r
+    ]
     np.testing.assert_allclose(losses("two"), losses("one"), rtol=1e-5)
 
 
@@ -113,11 +165,17 @@ def test_only_process_0_prints_and_writes(multihost_runs):
     and eval.json holds the one evaluation, on the whole validation set."""
     tmp, done = multihost_runs
     (_, out0, _), (_, out1, _) = done["two"]
-    assert out1 == "" and out0.count("\nstep ") == STEPS and out0.count("\neval ") == 1, (out0, out1)
+    assert out1 == "" and out0.count("\nstep ") == STEPS and out0.count("\neval ") == 1, (
+        out0,
+        out1,
+    )
     records = [json.loads(line) for line in open(tmp / "two" / "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)) + [STEPS]
     assert json.load(open(tmp / "two" / "config.json"))["args"]["process_id"] == 0
-    two, one = json.load(open(tmp / "two" / "eval.json")), json.load(open(tmp / "one" / "eval.json"))
+    two, one = (
+        json.load(open(tmp / "two" / "eval.json")),
+        json.load(open(tmp / "one" / "eval.json")),
+    )
     assert sorted(two) == sorted(one) and two["tokens"] == one["tokens"]
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
 
@@ -127,14 +185,18 @@ def test_a_killed_process_stops_the_other_and_the_resume_continues_exactly(multi
     resume, in 2 x 2, continues from the last complete checkpoint to the same parameters, memory
     and optimizer as the run that was never stopped, bit for bit, and logs each later step once."""
     tmp, done = multihost_runs
-    assert done["killed"][0][0] != 0 and done["survived_for"] < TIMEOUT + 5, done["killed"][0][2][-2000:]
+    assert done["killed"][0][0] != 0 and done["survived_for"] < TIMEOUT + 5, done["killed"][0][2][
+        -2000:
+    ]
     assert 1 <= done["killed_at"] < STEPS  # (a run that ended before the kill would prove nothing)
     assert all(code == 0 for code, _, _ in done["resumed"]), done["resumed"]
     resumed, straight = arrays(tmp / "killed"), arrays(tmp / "two")
     assert resumed[0]["step"] == STEPS and sorted(resumed[1]) == sorted(straight[1])
     for key in straight[1]:
         np.testing.assert_array_equal(resumed[1][key], straight[1][key], err_msg=key)
-    steps = [r["step"] for r in map(json.loads, open(tmp / "killed" / "metrics.jsonl")) if "loss" in r]
+    steps = [
+        r["step"] for r in map(json.loads, open(tmp / "killed" / "metrics.jsonl")) if "loss" in r
+    ]
     assert steps == list(range(1, STEPS + 1))
 
 
@@ -142,6 +204,7 @@ def test_a_resume_with_another_number_of_processes_continues_the_run(multihost_r
     """The checkpoint holds the whole state, every row's memory included: one process of one device
     continues a run of 2 x 2 processes and devices (to float32 reduction order)."""
     import train
+
     tmp, done = multihost_runs
     assert train.main(["--out", str(tmp / "killed_copy"), "--resume"]) == 0
     assert f"step {done['killed_at'] + 1:6d}" in capsys.readouterr().out
@@ -149,7 +212,9 @@ def test_a_resume_with_another_number_of_processes_continues_the_run(multihost_r
     assert resumed[0]["step"] == STEPS
     for key in one[1]:
         scale = max(1.0, float(np.abs(one[1][key]).max())) if one[1][key].dtype.kind == "f" else 0
-        np.testing.assert_allclose(resumed[1][key], one[1][key], rtol=0, atol=1e-5 * scale, err_msg=key)
+        np.testing.assert_allclose(
+            resumed[1][key], one[1][key], rtol=0, atol=1e-5 * scale, err_msg=key
+        )
 
 
 def refusal(result):
@@ -160,55 +225,125 @@ def refusal(result):
     return lines[0]
 
 
-def test_bad_input_of_several_processes_is_refused_in_one_sentence_before_anything_is_written(tmp_path, cache):
+def test_bad_input_of_several_processes_is_refused_in_one_sentence_before_anything_is_written(
+    tmp_path, cache
+):
     """An unreachable coordinator (within --coordinator-timeout, named), a process id out of range,
-    a taken port, a coordinator, a count or --out left out, a batch that does not divide over 2 processes
-    x 2 devices, and a refusal of one process alone, which the other gives too rather than wait:
-    exit 2, one sentence, and no run directory."""
+    a taken port, a coordinator, a count or --out left out, a batch that does not divide over 2
+    processes x 2 devices, and a refusal of one process alone, which the other gives too rather than
+    wait: exit 2, one sentence, and no run directory."""
     out, port = tmp_path / "run", free_port()
     argv = FAST + ["--steps", "2", "--out", str(out), "--cache-dir", cache]
     t = time.time()
-    alone = lambda *flags: subprocess.Popen([sys.executable, "train.py"] + argv + list(flags), cwd=HERE, text=True,
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(2))
+    alone = lambda *flags: subprocess.Popen(
+        [sys.executable, "train.py"] + argv + list(flags),
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(2),
+    )
     with socket.create_server(("", port)):  # a port that another program holds
-        probes = [alone("--coordinator", f"localhost:{free_port()}", "--num-processes", "2", "--process-id", "1",
-                        "--coordinator-timeout", "2"),
-                  alone("--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "2"),
-                  alone("--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"),
-                  alone("--num-processes", "2", "--process-id", "1"),
-                  alone("--process-id", "0")]
-        no_out = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py")] + FAST + [  # in an empty folder
-            "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "1"], cwd=tmp_path, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(2))
-        unreachable, out_of_range, taken, no_coordinator, no_count, no_out = finish(probes + [no_out])
-    assert re.fullmatch(r"error: cannot reach the coordinator localhost:\d+ within 2 s \(--coordinator-timeout\)"
-                        r".*\.", refusal(unreachable)) and time.time() - t < 30
-    assert refusal(out_of_range) == "error: --process-id 2 is out of range for --num-processes 2: the ids are 0 to 1."
+        probes = [
+            alone(
+                "--coordinator",
+                f"localhost:{free_port()}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "1",
+                "--coordinator-timeout",
+                "2",
+            ),
+            alone(
+                "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "2"
+            ),
+            alone(
+                "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"
+            ),
+            alone("--num-processes", "2", "--process-id", "1"),
+            alone("--process-id", "0"),
+        ]
+        no_out = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "train.py")]
+            + FAST
+            + [  # in an empty folder
+                "--coordinator",
+                f"localhost:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "1",
+            ],
+            cwd=tmp_path,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env(2),
+        )
+        unreachable, out_of_range, taken, no_coordinator, no_count, no_out = finish(
+            probes + [no_out]
+        )
+    assert (
+        re.fullmatch(
+            r"error: cannot reach the coordinator localhost:\d+ within 2 s "
+            r"\(--coordinator-timeout\)"
+            r".*\.",
+            refusal(unreachable),
+        )
+        and time.time() - t < 30
+    )
+    assert (
+        refusal(out_of_range)
+        == "error: --process-id 2 is out of range for --num-processes 2: the ids are 0 to 1."
+    )
     assert f"port {port} is in use" in refusal(taken)
     assert "several processes need --coordinator HOST:PORT" in refusal(no_coordinator)
     assert "several processes need --num-processes and --process-id, both" in refusal(no_count)
-    assert refusal(no_out) == "error: several processes train one run: give --out, the same directory for every " \
-                              "process." and os.listdir(tmp_path) == []  # (no runs/ folder, no .cache)
+    assert (
+        refusal(no_out)
+        == "error: several processes train one run: give --out, the same directory for every "
+        "process."
+        and os.listdir(tmp_path) == []
+    )  # (no runs/ folder, no .cache)
     (tmp_path / "afile").write_text("a file where a directory should be")
-    odd = start(argv[:argv.index("--batch-size")] + ["--batch-size", "6"] + argv[argv.index("--batch-size") + 2:])
-    one_sided = start(argv, only={1: ["--cache-dir", str(tmp_path / "afile")]})  # refused by process 1 alone
+    odd = start(
+        argv[: argv.index("--batch-size")]
+        + ["--batch-size", "6"]
+        + argv[argv.index("--batch-size") + 2 :]
+    )
+    one_sided = start(
+        argv, only={1: ["--cache-dir", str(tmp_path / "afile")]}
+    )  # refused by process 1 alone
     for result in finish(odd):
-        assert refusal(result) == "error: batch_size 6 must be divisible by 4 devices (2 processes x 2) x grad_accum 1."
+        want = "batch_size 6 must be divisible by 4 devices (2 processes x 2) x grad_accum 1."
+        assert refusal(result) == "error: " + want
     said = finish(one_sided)
-    assert refusal(said[1]).startswith(f"error: cannot write to --cache-dir {tmp_path / 'afile'}") and \
-        refusal(said[0]) == "error: process 1: " + refusal(said[1]).removeprefix("error: "), said
+    assert refusal(said[1]).startswith(
+        f"error: cannot write to --cache-dir {tmp_path / 'afile'}"
+    ) and refusal(said[0]) == "error: process 1: " + refusal(said[1]).removeprefix("error: "), said
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--coordinator", "nohost"], "argument --coordinator: takes HOST:PORT with a port from 1 to 65535, got 'nohost'"),
-    (["--coordinator", "localhost:0"], "argument --coordinator: takes HOST:PORT"),
-    (["--num-processes", "0"], "argument --num-processes: must be positive, got 0"),
-    (["--process-id", "-1"], "argument --process-id: must not be negative, got -1"),
-    (["--coordinator-timeout", "0.5"], "argument --coordinator-timeout: must be at least 1 second, got 0.5"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--coordinator", "nohost"],
+            "argument --coordinator: takes HOST:PORT with a port from 1 to 65535, got 'nohost'",
+        ),
+        (["--coordinator", "localhost:0"], "argument --coordinator: takes HOST:PORT"),
+        (["--num-processes", "0"], "argument --num-processes: must be positive, got 0"),
+        (["--process-id", "-1"], "argument --process-id: must not be negative, got -1"),
+        (
+            ["--coordinator-timeout", "0.5"],
+            "argument --coordinator-timeout: must be at least 1 second, got 0.5",
+        ),
+    ],
+)
 def test_bad_flags_of_several_processes_get_one_sentence(tmp_path, flags, message, capsys):
     import train
+
     assert train.main(FAST + ["--out", str(tmp_path / "run")] + flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not (tmp_path / "run").exists(), err
@@ -218,15 +353,17 @@ STEP_COLLECTIVES = """
 import json, re, sys
 import jax, numpy as np
 import memorizing_transformer as mt, train
-config = mt.PRESETS["tiny"].replace(num_layers=2, memory_layers=(1,), segment_length=32, memory_size=192, batch_size=8,
-                                    vocab_size=512, grad_accum=int(sys.argv[1]))
+config = mt.PRESETS["tiny"].replace(num_layers=2, memory_layers=(1,), segment_length=32,
+                                    memory_size=192, batch_size=8, vocab_size=512,
+                                    grad_accum=int(sys.argv[1]))
 params = mt.init_params(config, jax.random.PRNGKey(0))
 params, opt_state, state, place = train.distribute(params, train.make_optimizer(config)[0](params),
                                                    mt.init_state(config, config.batch_size))
 B, T = config.batch_size, config.segment_length
-batch = place(dict(tokens=np.zeros((B, T), np.int32), targets=np.zeros((B, T), np.int32), mask=np.ones((B, T), bool),
-                   reset=np.zeros(B, bool)))
-text = train.make_train_step(train.step_config(config)).lower(params, opt_state, state, batch).compile().as_text()
+batch = place(dict(tokens=np.zeros((B, T), np.int32), targets=np.zeros((B, T), np.int32),
+                   mask=np.ones((B, T), bool), reset=np.zeros(B, bool)))
+step = train.make_train_step(train.step_config(config))
+text = step.lower(params, opt_state, state, batch).compile().as_text()
 ops = "all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce"
 print(json.dumps(re.findall(r"= (.*?) (?:" + ops + r")(?:-start)?\\(", text)))
 """
@@ -234,13 +371,21 @@ print(json.dumps(re.findall(r"= (.*?) (?:" + ops + r")(?:-start)?\\(", text)))
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_no_memory_leaves_its_device_in_a_step_on_4_devices(grad_accum):
-    """Each row's memory (M = 192 slots here) and XL cache stay on the device that holds the row, with
-    micro-batches too: no collective of the compiled step on 4 devices moves a buffer of memory
+    """Each row's memory (M = 192 slots here) and XL cache stay on the device that holds the row,
+    with micro-batches too: no collective of the compiled step on 4 devices moves a buffer of memory
     slots or of a segment's keys. (Micro-batches once took contiguous rows, and gathered every
     memory to every device.)"""
-    proc = subprocess.run([sys.executable, "-c", STEP_COLLECTIVES, str(grad_accum)], cwd=HERE, capture_output=True,
-                          text=True, env=env(4), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", STEP_COLLECTIVES, str(grad_accum)],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env=env(4),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     shapes = json.loads(proc.stdout)
-    assert shapes and any("512,128" in s for s in shapes), shapes  # the gradients are summed: the op is found
+    assert shapes and any("512,128" in s for s in shapes), (
+        shapes
+    )  # the gradients are summed: the op is found
     assert not [s for s in shapes if re.search(r"\b192\b|,32,32\]", s)], shapes

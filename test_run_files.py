@@ -2,6 +2,7 @@
 a cache's file; config.json is read strictly; a cache that cannot be read is rebuilt; a closed
 stdout or stderr keeps the command's exit code; a prompt file is read as a corpus file is; a run's
 tokenizer is held to it. The fixtures `cache` and `finished_run` are conftest.py's."""
+
 import json
 import os
 import shutil
@@ -20,8 +21,9 @@ from test_train import FAST
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_an_output_never_replaces_a_runs_files_nor_a_file_in_a_corpus_or_a_cache(tmp_path, finished_run, cache,
-                                                                               capsys):
+def test_an_output_never_replaces_a_runs_files_nor_a_file_in_a_corpus_or_a_cache(
+    tmp_path, finished_run, cache, capsys
+):
     """`evaluate.py perplexity RUN --json RUN/checkpoint.npz` replaced the checkpoint with the JSON,
     exit 0. Every output flag is refused in one sentence, before any work, where it names a file of
     a run directory (also through a link), or a file inside the corpus or the cache it reads."""
@@ -32,40 +34,93 @@ def test_an_output_never_replaces_a_runs_files_nor_a_file_in_a_corpus_or_a_cache
     (corpus / "a.txt").write_text("a document of the corpus\n" * 20)
     (corpus / "b.txt").write_text("another document\n" * 20)
     perplexity = ["perplexity", str(run), "--eval-docs", "1", "--eval-tokens", "64"]
-    probes = [("evaluate", perplexity + ["--json", str(run / name)], "of the run in") for name in runs.RUN_FILES]
-    probes += [("evaluate", perplexity + ["--json", str(tmp_path / "link" / "eval.json")], "of the run in"),
-               ("evaluate", ["compare", str(run), "--memory-sizes", "0,64", "--csv", str(run / "metrics.jsonl")],
-                "of the run in"),
-               ("evaluate", ["compare", str(run), "--memory-sizes", "0,64", "--csv", str(tmp_path / "d.csv"), "--plot",
-                             str(run / "tokenizer.model")], "of the run in"),
-               ("evaluate", ["explore", str(run), "--out", str(run / "config.json")], "of the run in"),
-               ("evaluate", ["recall", str(run), "--json", str(run / "checkpoint.npz")], "of the run in"),
-               ("benchmark", ["--memory-sizes", "0", "--json", str(run / "eval.json")], "of the run in"),
-               ("evaluate", perplexity + ["--data", str(corpus), "--json", str(corpus / "a.txt")], "inside the corpus"),
-               ("evaluate", perplexity + ["--data", str(corpus), "--json", str(corpus / "new.json")], "inside the corpus"),
-               ("evaluate", perplexity + ["--json", os.path.join(cache, "tokens.json")], "inside the cache")]
+    probes = [
+        ("evaluate", perplexity + ["--json", str(run / name)], "of the run in")
+        for name in runs.RUN_FILES
+    ]
+    probes += [
+        (
+            "evaluate",
+            perplexity + ["--json", str(tmp_path / "link" / "eval.json")],
+            "of the run in",
+        ),
+        (
+            "evaluate",
+            ["compare", str(run), "--memory-sizes", "0,64", "--csv", str(run / "metrics.jsonl")],
+            "of the run in",
+        ),
+        (
+            "evaluate",
+            [
+                "compare",
+                str(run),
+                "--memory-sizes",
+                "0,64",
+                "--csv",
+                str(tmp_path / "d.csv"),
+                "--plot",
+                str(run / "tokenizer.model"),
+            ],
+            "of the run in",
+        ),
+        ("evaluate", ["explore", str(run), "--out", str(run / "config.json")], "of the run in"),
+        ("evaluate", ["recall", str(run), "--json", str(run / "checkpoint.npz")], "of the run in"),
+        ("benchmark", ["--memory-sizes", "0", "--json", str(run / "eval.json")], "of the run in"),
+        (
+            "evaluate",
+            perplexity + ["--data", str(corpus), "--json", str(corpus / "a.txt")],
+            "inside the corpus",
+        ),
+        (
+            "evaluate",
+            perplexity + ["--data", str(corpus), "--json", str(corpus / "new.json")],
+            "inside the corpus",
+        ),
+        (
+            "evaluate",
+            perplexity + ["--json", os.path.join(cache, "tokens.json")],
+            "inside the cache",
+        ),
+    ]
     before = snapshot(tmp_path, cache)
     for script, argv, message in probes:
         code, out, err = call(script, argv, capsys)
         assert_refused(code, err, argv)
         assert message in err and out == "", (argv, err)
     assert snapshot(tmp_path, cache) == before
-    code, _, err = call("evaluate", perplexity + ["--json", str(run / "notes.json")], capsys)  # any other file
+    code, _, err = call(
+        "evaluate", perplexity + ["--json", str(run / "notes.json")], capsys
+    )  # any other file
     assert code == 0 and json.loads((run / "notes.json").read_text())["tokens"] == 64, err
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda c: c.pop("segment_length"), "has no field segment_length"),
-    (lambda c: c.pop("memory_layers"), "has no field memory_layers"),
-    (lambda c: c.update(xl_cache="false"), 'the field xl_cache must be true or false, got "false"'),
-    (lambda c: c.update(exact_topk=1), "the field exact_topk must be true or false, got 1"),
-    (lambda c: c.update(segment_length=32.0), "the field segment_length must be an integer, got 32.0"),
-    (lambda c: c.update(segment_length=True), "the field segment_length must be an integer, got true"),
-    (lambda c: c.update(lr="1.0"), 'the field lr must be a number, got "1.0"'),
-    (lambda c: c.update(memory_layers=1), "the field memory_layers must be a list of integers, got 1"),
-    (lambda c: c.update(dtype=None), "the field dtype must be a string, got null"),
-    (lambda c: c.update(bogus=1), "a field 'bogus' that this project's Config does not have"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.pop("segment_length"), "has no field segment_length"),
+        (lambda c: c.pop("memory_layers"), "has no field memory_layers"),
+        (
+            lambda c: c.update(xl_cache="false"),
+            'the field xl_cache must be true or false, got "false"',
+        ),
+        (lambda c: c.update(exact_topk=1), "the field exact_topk must be true or false, got 1"),
+        (
+            lambda c: c.update(segment_length=32.0),
+            "the field segment_length must be an integer, got 32.0",
+        ),
+        (
+            lambda c: c.update(segment_length=True),
+            "the field segment_length must be an integer, got true",
+        ),
+        (lambda c: c.update(lr="1.0"), 'the field lr must be a number, got "1.0"'),
+        (
+            lambda c: c.update(memory_layers=1),
+            "the field memory_layers must be a list of integers, got 1",
+        ),
+        (lambda c: c.update(dtype=None), "the field dtype must be a string, got null"),
+        (lambda c: c.update(bogus=1), "a field 'bogus' that this project's Config does not have"),
+    ],
+)
 def test_a_runs_config_is_read_strictly(tmp_path, finished_run, cache, capsys, edit, message):
     """A missing field once took the dataclass's default without a word (a run of T = 32 was scored
     at T = 512), and "xl_cache": "false" was read as true. Every field must be there, with its JSON
@@ -76,15 +131,20 @@ def test_a_runs_config_is_read_strictly(tmp_path, finished_run, cache, capsys, e
     edit(saved["config"])
     (run / "config.json").write_text(json.dumps(saved))
     before = snapshot(run)
-    for script, argv in (("evaluate", ["perplexity", str(run)]), ("sample", [str(run), "--prompt", "x"]),
-                         ("train", ["--out", str(run), "--resume", "--steps", "3", "--cache-dir", cache])):
+    for script, argv in (
+        ("evaluate", ["perplexity", str(run)]),
+        ("sample", [str(run), "--prompt", "x"]),
+        ("train", ["--out", str(run), "--resume", "--steps", "3", "--cache-dir", cache]),
+    ):
         code, _, err = call(script, argv, capsys)
         assert_refused(code, err, (script, message))
         assert message in err, err
     assert snapshot(run) == before
 
 
-def test_a_run_written_before_a_field_was_added_is_read_with_its_default_and_a_note(tmp_path, finished_run, capsys):
+def test_a_run_written_before_a_field_was_added_is_read_with_its_default_and_a_note(
+    tmp_path, finished_run, capsys
+):
     """A run from before --init-gate-bias and --attention lacks those fields: read with their
     defaults (the older versions' behaviour), and one line says so."""
     run = tmp_path / "run"
@@ -93,14 +153,20 @@ def test_a_run_written_before_a_field_was_added_is_read_with_its_default_and_a_n
     for name in ("init_gate_bias", "attention"):
         saved["config"].pop(name)
     (run / "config.json").write_text(json.dumps(saved))
-    code, out, err = call("evaluate", ["perplexity", str(run), "--eval-docs", "1", "--eval-tokens", "64"], capsys)
+    code, out, err = call(
+        "evaluate", ["perplexity", str(run), "--eval-docs", "1", "--eval-tokens", "64"], capsys
+    )
     assert code == 0 and out.startswith("memory 64: perplexity"), err
-    assert err == (f"note: {run / 'config.json'} was written before the fields attention, init_gate_bias: read with the "
-                   f"defaults, attention 'explicit', init_gate_bias 0.0.\n")
+    assert err == (
+        f"note: {run / 'config.json'} was written before the fields attention, init_gate_bias: "
+        "read with the "
+        f"defaults, attention 'explicit', init_gate_bias 0.0.\n"
+    )
 
 
-def test_a_token_cache_or_tokenizer_that_cannot_be_read_is_rebuilt_with_a_line_saying_so(tmp_path, cache, finished_run,
-                                                                                         capsys):
+def test_a_token_cache_or_tokenizer_that_cannot_be_read_is_rebuilt_with_a_line_saying_so(
+    tmp_path, cache, finished_run, capsys
+):
     """A token cache truncated to 1000 bytes ended train.py in a traceback (zipfile.BadZipFile); a
     cached tokenizer that was not a model was refused without naming the file to delete. Both are
     made again, with one line each, and the run goes on."""
@@ -113,19 +179,30 @@ def test_a_token_cache_or_tokenizer_that_cannot_be_read_is_rebuilt_with_a_line_s
     assert tokens and tokenizers  # FAST's at least, from finished_run
     for path in tokens:
         path.write_bytes(path.read_bytes()[:1000])
-    code, out, err = call("train", FAST + ["--steps", "1", "--out", str(tmp_path / "a"), "--cache-dir", str(own)], capsys)
+    code, out, err = call(
+        "train",
+        FAST + ["--steps", "1", "--out", str(tmp_path / "a"), "--cache-dir", str(own)],
+        capsys,
+    )
     assert code == 0, err
     notes = [line for line in out.splitlines() if line.startswith("note: the token cache ")]
-    assert len(notes) == 1 and notes[0] in [f"note: the token cache {p} cannot be read; tokenizing again." for p in tokens]
+    assert len(notes) == 1 and notes[0] in [
+        f"note: the token cache {p} cannot be read; tokenizing again." for p in tokens
+    ]
     with np.load(notes[0].split()[4]) as z:  # whole again
         assert z["offsets"][-1] == len(z["tokens"])
     for path in tokenizers:
         path.write_bytes(b"not a model")
-    code, out, err = call("train", FAST + ["--steps", "1", "--out", str(tmp_path / "b"), "--cache-dir", str(own)], capsys)
+    code, out, err = call(
+        "train",
+        FAST + ["--steps", "1", "--out", str(tmp_path / "b"), "--cache-dir", str(own)],
+        capsys,
+    )
     assert code == 0, err
     notes = [line for line in out.splitlines() if line.startswith("note: the cached tokenizer ")]
-    assert len(notes) == 1 and notes[0] in [f"note: the cached tokenizer {p} cannot be read; training it again."
-                                            for p in tokenizers]
+    assert len(notes) == 1 and notes[0] in [
+        f"note: the cached tokenizer {p} cannot be read; training it again." for p in tokenizers
+    ]
     assert data.load_tokenizer(notes[0].split()[4]).get_piece_size() > 256
 
 
@@ -136,8 +213,14 @@ def test_a_closed_stdout_or_stderr_keeps_the_exit_code_and_prints_no_traceback(t
     2 for the refusal, 0 for --help."""
     fd = {"stdout": 1, "stderr": 2}[closed]
     for argv, code in ((["--steps", "0"], 2), (["--help"], 0)):
-        proc = subprocess.run(["sh", "-c", f'exec "$0" "$@" {fd}>&-', sys.executable, "train.py"] + argv, cwd=HERE,
-                              capture_output=True, text=True, env=child_env(), timeout=120)
+        proc = subprocess.run(
+            ["sh", "-c", f'exec "$0" "$@" {fd}>&-', sys.executable, "train.py"] + argv,
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=120,
+        )
         other = proc.stderr if closed == "stdout" else proc.stdout
         assert proc.returncode == code, (argv, proc.stdout, proc.stderr)
         assert "Traceback" not in proc.stdout + proc.stderr
@@ -149,8 +232,12 @@ def test_a_prompt_file_is_read_as_a_corpus_file_is(tmp_path, finished_run, capsy
     """--prompt-file /dev/zero read until memory ran out, and then advised a smaller batch: only a
     regular file is read, and one of at most the bound the message names."""
     os.mkfifo(tmp_path / "fifo")
-    for path, message in (("/dev/zero", "is not a regular file"), (str(tmp_path / "fifo"), "is not a regular file"),
-                          (str(tmp_path), "is a directory, not a file"), (str(tmp_path / "none"), "does not exist")):
+    for path, message in (
+        ("/dev/zero", "is not a regular file"),
+        (str(tmp_path / "fifo"), "is not a regular file"),
+        (str(tmp_path), "is a directory, not a file"),
+        (str(tmp_path / "none"), "does not exist"),
+    ):
         code, _, err = call("sample", [str(finished_run), "--prompt-file", path], capsys)
         assert_refused(code, err, path)
         assert f"--prompt-file {path} {message}" in err
@@ -160,15 +247,27 @@ def test_a_prompt_file_is_read_as_a_corpus_file_is(tmp_path, finished_run, capsy
     assert data.read_text(str(tmp_path / "big.txt"), "--prompt-file", limit=100) == "x" * 100
 
 
-def test_sample_refuses_another_runs_tokenizer_as_evaluate_does(tmp_path, finished_run, cache, capsys):
+def test_sample_refuses_another_runs_tokenizer_as_evaluate_does(
+    tmp_path, finished_run, cache, capsys
+):
     """With another run's tokenizer copied in, sample.py generated without a word (its ids meaning
     other words). The checkpoint records the hash of the run's tokenizer; both refuse another."""
     other, run = tmp_path / "other", tmp_path / "run"
-    assert call("train", FAST + ["--vocab-size", "1024", "--steps", "1", "--out", str(other), "--cache-dir", cache],
-                capsys)[0] == 0
+    assert (
+        call(
+            "train",
+            FAST
+            + ["--vocab-size", "1024", "--steps", "1", "--out", str(other), "--cache-dir", cache],
+            capsys,
+        )[0]
+        == 0
+    )
     shutil.copytree(finished_run, run)
     shutil.copy(other / "tokenizer.model", run / "tokenizer.model")
-    for script, argv in (("sample", [str(run), "--prompt", "x"]), ("evaluate", ["perplexity", str(run)])):
+    for script, argv in (
+        ("sample", [str(run), "--prompt", "x"]),
+        ("evaluate", ["perplexity", str(run)]),
+    ):
         code, out, err = call(script, argv, capsys)
         assert_refused(code, err, script)
         assert "is not the tokenizer the run in" in err and out == ""

@@ -26,14 +26,32 @@ print(startup.MALLOC_KEPT, grown >= 64 << 20, kept >= 64 << 20)
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
-                    reason="the setting is for Linux with glibc; elsewhere it is a no-op")
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
+    reason="the setting is for Linux with glibc; elsewhere it is a no-op",
+)
 def test_malloc_keeps_large_blocks_in_a_fresh_process_unless_turned_off():
-    clean = {k: v for k, v in os.environ.items() if k not in ("MT_DEFAULT_MALLOC", "GLIBC_TUNABLES")}
-    on = subprocess.run([sys.executable, "-c", PROBE], cwd=HERE, env=clean, capture_output=True,
-                        text=True, timeout=60, check=True).stdout.split()
-    off = subprocess.run([sys.executable, "-c", PROBE], cwd=HERE, env=dict(clean, MT_DEFAULT_MALLOC="1"),
-                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("MT_DEFAULT_MALLOC", "GLIBC_TUNABLES")
+    }
+    on = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=HERE,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    off = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=HERE,
+        env=dict(clean, MT_DEFAULT_MALLOC="1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
     assert on == ["True", "True", "True"]  # from the heap, and kept there when freed
     assert off == ["False", "False", "False"]  # mapped apart, as glibc does by default
 

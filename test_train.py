@@ -1,5 +1,6 @@
 """train.py: Adafactor against its definition, the schedule, checkpoints, resume, init-from,
 sharding, the smoke run and the command line's answers to bad input."""
+
 import argparse
 import json
 import math
@@ -24,19 +25,37 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # A model small enough that a run of a few steps takes seconds: the tiny preset with short
 # segments and a small batch and memory (TINY_FAST, the layers that evaluate.py table and
 # finetune train), and at two layers, the second with the memory (FAST, which compiles faster).
-TINY_FAST = ["--data", "synthetic:40", "--segment-length", "32", "--memory-size", "64", "--batch-size", "4",
-             "--num-neighbors", "8", "--eval-docs", "2", "--eval-tokens", "64", "--log-every", "1"]
+TINY_FAST = [
+    "--data",
+    "synthetic:40",
+    "--segment-length",
+    "32",
+    "--memory-size",
+    "64",
+    "--batch-size",
+    "4",
+    "--num-neighbors",
+    "8",
+    "--eval-docs",
+    "2",
+    "--eval-tokens",
+    "64",
+    "--log-every",
+    "1",
+]
 FAST = TINY_FAST + ["--num-layers", "2", "--memory-layers", "1"]
 
 
 # ----------------------------------------------------------------------------- Adafactor
-def np_adafactor(x, grads, lr, beta1=None, factored=True, d=1.0, eps1=1e-30, eps2=1e-3, scale_by_param=True):
+def np_adafactor(
+    x, grads, lr, beta1=None, factored=True, d=1.0, eps1=1e-30, eps2=1e-3, scale_by_param=True
+):
     """Adafactor written from the paper (Shazeer & Stern, 2018, Alg. 4 and 5), loop by loop."""
     x = x.astype(np.float64).copy()
     n, m = x.shape if x.ndim == 2 else (x.shape[0], 1)
     R, C, V, M = np.zeros(n), np.zeros(m), np.zeros(x.shape), np.zeros(x.shape)
     for t, g in enumerate(grads, 1):
-        beta2 = 1 - t ** -0.8
+        beta2 = 1 - t**-0.8
         U = np.zeros(x.shape)
         if factored:
             for i in range(n):
@@ -50,11 +69,11 @@ def np_adafactor(x, grads, lr, beta1=None, factored=True, d=1.0, eps1=1e-30, eps
             for idx in np.ndindex(x.shape):
                 V[idx] = beta2 * V[idx] + (1 - beta2) * (g[idx] ** 2 + eps1)
                 U[idx] = g[idx] / math.sqrt(V[idx])
-        U = U / max(1.0, math.sqrt(np.mean(U ** 2)) / d)
+        U = U / max(1.0, math.sqrt(np.mean(U**2)) / d)
         if beta1 is not None:
             M = beta1 * M + (1 - beta1) * U
             U = M
-        alpha = lr(t) * (max(eps2, math.sqrt(np.mean(x ** 2))) if scale_by_param else 1.0)
+        alpha = lr(t) * (max(eps2, math.sqrt(np.mean(x**2))) if scale_by_param else 1.0)
         x = x - alpha * U
     return x
 
@@ -62,11 +81,15 @@ def np_adafactor(x, grads, lr, beta1=None, factored=True, d=1.0, eps1=1e-30, eps
 @pytest.mark.parametrize("beta1", [None, 0.9])
 def test_adafactor_matches_its_definition_computed_by_hand(beta1):
     rng = np.random.default_rng(0)
-    params = {"w": rng.standard_normal((40, 36)).astype(np.float32),  # factored (both dims >= 32)
-              "small": rng.standard_normal((3, 4)).astype(np.float32),  # too small to factor
-              "b": rng.standard_normal(5).astype(np.float32)}  # a vector: no parameter scaling
-    grads = [{k: (rng.standard_normal(v.shape) * s).astype(np.float32) for k, v in params.items()}
-             for s in (1.0, 0.01, 3.0)]  # 3.0 makes update clipping matter
+    params = {
+        "w": rng.standard_normal((40, 36)).astype(np.float32),  # factored (both dims >= 32)
+        "small": rng.standard_normal((3, 4)).astype(np.float32),  # too small to factor
+        "b": rng.standard_normal(5).astype(np.float32),
+    }  # a vector: no parameter scaling
+    grads = [
+        {k: (rng.standard_normal(v.shape) * s).astype(np.float32) for k, v in params.items()}
+        for s in (1.0, 0.01, 3.0)
+    ]  # 3.0 makes update clipping matter
     lr = lambda t: 0.1 / t
     init, update = train.adafactor(lr, beta1=beta1)
     update = jax.jit(update)  # one program, as in a train step
@@ -75,8 +98,14 @@ def test_adafactor_matches_its_definition_computed_by_hand(beta1):
     for g in grads:
         u, state = update(jax.tree.map(jnp.asarray, g), state, p)
         p = jax.tree.map(jnp.add, p, u)
-    for name, factored, by_param in (("w", True, True), ("small", False, True), ("b", False, False)):
-        want = np_adafactor(params[name], [g[name] for g in grads], lr, beta1, factored, scale_by_param=by_param)
+    for name, factored, by_param in (
+        ("w", True, True),
+        ("small", False, True),
+        ("b", False, False),
+    ):
+        want = np_adafactor(
+            params[name], [g[name] for g in grads], lr, beta1, factored, scale_by_param=by_param
+        )
         np.testing.assert_allclose(p[name], want, rtol=2e-5, atol=1e-6)
 
 
@@ -84,22 +113,31 @@ def test_the_previous_token_prior_sets_only_distance_1_in_half_the_first_layers_
     c = mt.PRESETS["synthetic"]
     params = mt.init_params(c, jax.random.PRNGKey(0))
     want = np.zeros((c.num_buckets, c.num_heads))
-    want[1, :c.num_heads // 2] = c.init_prev_token_bias
+    want[1, : c.num_heads // 2] = c.init_prev_token_bias
     np.testing.assert_array_equal(params["layers"][0]["rel_bias"], want)
     assert not np.any(params["layers"][1]["rel_bias"])
-    assert int(mt.relative_position_bucket(-1, c.num_buckets, c.max_distance)) == 1  # bucket 1 is distance 1
+    assert (
+        int(mt.relative_position_bucket(-1, c.num_buckets, c.max_distance)) == 1
+    )  # bucket 1 is distance 1
 
 
 def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
-    args = runs.train_parser().parse_args(["--preset", "tiny", "--memory-layers", "1,3", "--init-gate-bias", "-2"])
+    args = runs.train_parser().parse_args(
+        ["--preset", "tiny", "--memory-layers", "1,3", "--init-gate-bias", "-2"]
+    )
     c = runs.config_from_args(args)
     params = mt.init_params(c, jax.random.PRNGKey(0))
     for i, layer in enumerate(params["layers"]):
         assert ("gate_bias" in layer) == (i in (1, 3))
         if i in (1, 3):
-            np.testing.assert_array_equal(layer["gate_bias"], np.full(c.num_heads, -2.0, np.float32))
+            np.testing.assert_array_equal(
+                layer["gate_bias"], np.full(c.num_heads, -2.0, np.float32)
+            )
             assert layer["gate_bias"].dtype == np.float32
-    assert mt.init_params(mt.PRESETS["tiny"], jax.random.PRNGKey(0))["layers"][2]["gate_bias"].tolist() == [0.0] * 4
+    assert (
+        mt.init_params(mt.PRESETS["tiny"], jax.random.PRNGKey(0))["layers"][2]["gate_bias"].tolist()
+        == [0.0] * 4
+    )
 
 
 def test_the_t5_bias_tables_take_the_plain_step():
@@ -112,12 +150,15 @@ def test_the_t5_bias_tables_take_the_plain_step():
     u, _ = jax.jit(update)(grads, init(params), params)  # one program, as in a train step
     lr = lambda t: float(train.learning_rate(t, c.lr, c.warmup_steps))
     for i in range(c.num_layers):
-        x, g = np.asarray(params["layers"][i]["rel_bias"]), np.asarray(grads["layers"][i]["rel_bias"])
+        x, g = (
+            np.asarray(params["layers"][i]["rel_bias"]),
+            np.asarray(grads["layers"][i]["rel_bias"]),
+        )
         want = np_adafactor(x, [g], lr, factored=False, scale_by_param=False) - x
         np.testing.assert_allclose(u["layers"][i]["rel_bias"], want, rtol=1e-5, atol=1e-9)
         # a weight matrix still steps relative to its scale
         w, uw = np.asarray(params["layers"][i]["w1"]), np.asarray(u["layers"][i]["w1"])
-        assert np.sqrt(np.mean(uw ** 2)) <= lr(1) * np.sqrt(np.mean(w ** 2)) * 1.0001
+        assert np.sqrt(np.mean(uw**2)) <= lr(1) * np.sqrt(np.mean(w**2)) * 1.0001
 
 
 def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
@@ -129,26 +170,43 @@ def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
 
 
 def test_learning_rate_is_linear_warmup_then_square_root_decay():
-    for t, want in [(1, 1 / 1000 / math.sqrt(1000)), (500, 0.5 / math.sqrt(1000)), (1000, 1 / math.sqrt(1000)),
-                    (4000, 1 / math.sqrt(4000))]:
+    for t, want in [
+        (1, 1 / 1000 / math.sqrt(1000)),
+        (500, 0.5 / math.sqrt(1000)),
+        (1000, 1 / math.sqrt(1000)),
+        (4000, 1 / math.sqrt(4000)),
+    ]:
         assert float(train.learning_rate(t, 1.0, 1000)) == pytest.approx(want, rel=1e-6)
 
 
 def test_evaluate_reports_reference_loss_by_distance_band():
     """The per-band losses of a batched evaluation equal those of each document alone."""
     import evaluate  # its per_token_loss streams one document through batch 1
-    c = mt.PRESETS["tiny"].replace(vocab_size=64, segment_length=16, memory_size=32, num_layers=2,
-                                   memory_layers=(1,), num_neighbors=4)
+
+    c = mt.PRESETS["tiny"].replace(
+        vocab_size=64,
+        segment_length=16,
+        memory_size=32,
+        num_layers=2,
+        memory_layers=(1,),
+        num_neighbors=4,
+    )
     params = mt.init_params(c, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 64, n).astype(np.int32) for n in (50, 90, 33)]  # rows switch documents
     dists = [rng.choice([0, 0, -1, 5, 16, 17, 32, 33, 80], len(d)) for d in docs]
     got = train.evaluate(params, c, docs, 2, distances=dists)
-    ce = np.concatenate([evaluate.per_token_loss(params, c, d)[0] for d in docs])  # ce[j] predicts token j + 1
+    ce = np.concatenate(
+        [evaluate.per_token_loss(params, c, d)[0] for d in docs]
+    )  # ce[j] predicts token j + 1
     dist = np.concatenate([d[1:] for d in dists])
     assert got["loss"] == pytest.approx(ce.mean(), rel=1e-5)
-    for band, sel in (("near", (dist >= 1) & (dist <= 16)), ("mid", (dist > 16) & (dist <= 32)),
-                      ("far", dist > 32), ("", dist != 0)):
+    for band, sel in (
+        ("near", (dist >= 1) & (dist <= 16)),
+        ("mid", (dist > 16) & (dist <= 32)),
+        ("far", dist > 32),
+        ("", dist != 0),
+    ):
         key = f"reference_loss_{band}".rstrip("_")
         assert got[key] == pytest.approx(ce[sel].mean(), rel=1e-5)
         assert got[key.replace("loss", "tokens")] == sel.sum()
@@ -170,8 +228,14 @@ def losses(out):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache, monkeypatch):
-    assert run(tmp_path / "full", cache, "--steps", "8", "--save-every", "100", "--eval-every", "4") == 0
-    assert run(tmp_path / "part", cache, "--steps", "3", "--save-every", "100", "--eval-every", "4") == 0
+    assert (
+        run(tmp_path / "full", cache, "--steps", "8", "--save-every", "100", "--eval-every", "4")
+        == 0
+    )
+    assert (
+        run(tmp_path / "part", cache, "--steps", "3", "--save-every", "100", "--eval-every", "4")
+        == 0
+    )
     # Only --steps: the run's intervals go on (--log-every 1, --eval-every 4), not the defaults
     # (10 and 500), which once logged step 8 alone; and its --cache-dir, not the default .cache,
     # where its data were once tokenized again.
@@ -181,13 +245,22 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache, monkeypatch):
     full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
     assert sorted(part) == list(range(1, 9))
     with open(tmp_path / "part" / "metrics.jsonl") as f:
-        assert [r["step"] for r in map(json.loads, f) if "eval_loss" in r] == [3, 4, 8]  # 3: the first run's end
-    np.testing.assert_allclose([part[s] for s in range(1, 9)], [full[s] for s in range(1, 9)], rtol=1e-6)
+        assert [r["step"] for r in map(json.loads, f) if "eval_loss" in r] == [
+            3,
+            4,
+            8,
+        ]  # 3: the first run's end
+    np.testing.assert_allclose(
+        [part[s] for s in range(1, 9)], [full[s] for s in range(1, 9)], rtol=1e-6
+    )
     with open(tmp_path / "full" / "eval.json") as f:
         a = json.load(f)
     with open(tmp_path / "part" / "eval.json") as f:
         b = json.load(f)
-    assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6) and a["tokens"] == b["tokens"] > 0
+    assert (
+        a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)
+        and a["tokens"] == b["tokens"] > 0
+    )
 
 
 def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tmp_path, cache):
@@ -195,8 +268,21 @@ def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tm
     assert run(tmp_path / "mem", cache, "--steps", "2") == 0
     for src, out in (("mem", "bigger"), ("nomem", "added")):
         _, before = runs.load_checkpoint(str(tmp_path / src / "checkpoint.npz"))
-        assert run(tmp_path / out, cache, "--steps", "1", "--memory-size", "128", "--lr", "1e-9",
-                   "--init-from", str(tmp_path / src)) == 0
+        assert (
+            run(
+                tmp_path / out,
+                cache,
+                "--steps",
+                "1",
+                "--memory-size",
+                "128",
+                "--lr",
+                "1e-9",
+                "--init-from",
+                str(tmp_path / src),
+            )
+            == 0
+        )
         _, after = runs.load_checkpoint(str(tmp_path / out / "checkpoint.npz"))
         for k, v in before.items():
             if k.startswith("params"):  # copied (a step at lr 1e-9 moves nothing visibly)
@@ -207,7 +293,9 @@ def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tm
             np.testing.assert_allclose(after[gate], 0.0, atol=1e-6)  # fresh: g = 0.5
 
 
-def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_fresh_start(tmp_path, cache, capsys):
+def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_fresh_start(
+    tmp_path, cache, capsys
+):
     """Sec. 4.4 fine-tunes "for an additional 20K steps": the step count (so the schedule, no
     second warmup) and Adafactor's statistics continue; --fresh-start restarts them."""
     assert run(tmp_path / "src", cache, "--steps", "3") == 0
@@ -215,11 +303,26 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     assert meta["step"] == 3
     for extra, first in (([], 4), (["--fresh-start"], 1)):
         out = tmp_path / f"ft{first}"
-        assert run(out, cache, "--steps", "2", "--memory-size", "128", "--init-from", str(tmp_path / "src"), *extra) == 0
+        assert (
+            run(
+                out,
+                cache,
+                "--steps",
+                "2",
+                "--memory-size",
+                "128",
+                "--init-from",
+                str(tmp_path / "src"),
+                *extra,
+            )
+            == 0
+        )
         with open(out / "metrics.jsonl") as f:
             logged = [r for r in map(json.loads, f) if "loss" in r]
         assert [r["step"] for r in logged] == [first, first + 1]
-        lr = float(train.learning_rate(first, mt.PRESETS["tiny"].lr, mt.PRESETS["tiny"].warmup_steps))
+        lr = float(
+            train.learning_rate(first, mt.PRESETS["tiny"].lr, mt.PRESETS["tiny"].warmup_steps)
+        )
         assert logged[0]["lr"] == pytest.approx(lr, rel=1e-6)
         _, after = runs.load_checkpoint(str(out / "checkpoint.npz"))
         assert int(after["opt['count']"]) == first + 1
@@ -229,29 +332,67 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     # data (synthetic:40, 2 documents of 64 tokens to validate on) with the flags given. They
     # were once the preset's and the defaults: every flag of the source run had to be given
     # again, or the run was refused, or trained on stdlib.
-    assert train.main(["--cache-dir", cache, "--out", str(tmp_path / "own"), "--init-from", str(tmp_path / "src"),
-                       "--steps", "1", "--memory-size", "128", "--num-neighbors", "4"]) == 0
+    assert (
+        train.main(
+            [
+                "--cache-dir",
+                cache,
+                "--out",
+                str(tmp_path / "own"),
+                "--init-from",
+                str(tmp_path / "src"),
+                "--steps",
+                "1",
+                "--memory-size",
+                "128",
+                "--num-neighbors",
+                "4",
+            ]
+        )
+        == 0
+    )
     source, own = (runs.read_run_config(str(tmp_path / d)) for d in ("src", "own"))
     assert source["config"].segment_length != mt.PRESETS["tiny"].segment_length
     assert own["config"] == source["config"].replace(memory_size=128, num_neighbors=4, steps=4)
-    assert {k: own["args"][k] for k in runs.RUN_DATA_ARGS} == {k: source["args"][k] for k in runs.RUN_DATA_ARGS}
+    assert {k: own["args"][k] for k in runs.RUN_DATA_ARGS} == {
+        k: source["args"][k] for k in runs.RUN_DATA_ARGS
+    }
     assert source["args"]["data"] == "synthetic:40"
     assert run(tmp_path / "bad", cache, "--fresh-start") == 2
     # The run's model as it is: not a layer more or fewer (once loaded or dropped without a word),
-    # named by the configs' fields; and by the checkpoint's arrays where a config.json says otherwise.
+    # named by the configs' fields; and by the checkpoint's arrays where a config.json says
+    # otherwise.
     for name, layers, memory_layers in (("edited", 3, [1]), ("edited_fewer", 1, [0])):
         shutil.copytree(tmp_path / "src", tmp_path / name)
         saved = json.loads((tmp_path / "src" / "config.json").read_text())
         saved["config"].update(num_layers=layers, memory_layers=memory_layers)
         (tmp_path / name / "config.json").write_text(json.dumps(saved))
     for src, layers, message in (
-            ("src", ["--num-layers", "3"], "its num_layers 2 (this run: 3)"),
-            ("src", ["--num-layers", "1", "--memory-layers", "0"], "its num_layers 2 (this run: 1)"),
-            ("src", ["--preset", "tiny", "--num-layers", "2", "--memory-layers", "1", "--d-model", "64",
-                     "--head-dim", "16"], "its d_model 128 (this run: 64), head_dim 32 (this run: 16)"),
-            ("edited", ["--num-layers", "3"], "has no params['layers'][2]['attn_norm']"),
-            ("edited_fewer", ["--num-layers", "1", "--memory-layers", "0"],
-             "has params['layers'][1]['attn_norm'], which this config has no place for")):
+        ("src", ["--num-layers", "3"], "its num_layers 2 (this run: 3)"),
+        ("src", ["--num-layers", "1", "--memory-layers", "0"], "its num_layers 2 (this run: 1)"),
+        (
+            "src",
+            [
+                "--preset",
+                "tiny",
+                "--num-layers",
+                "2",
+                "--memory-layers",
+                "1",
+                "--d-model",
+                "64",
+                "--head-dim",
+                "16",
+            ],
+            "its d_model 128 (this run: 64), head_dim 32 (this run: 16)",
+        ),
+        ("edited", ["--num-layers", "3"], "has no params['layers'][2]['attn_norm']"),
+        (
+            "edited_fewer",
+            ["--num-layers", "1", "--memory-layers", "0"],
+            "has params['layers'][1]['attn_norm'], which this config has no place for",
+        ),
+    ):
         capsys.readouterr()
         assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / src), *layers) == 2
         err = capsys.readouterr().err
@@ -261,8 +402,15 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
     other = tmp_path / "other.model"
     other.write_bytes((tmp_path / "src" / "tokenizer.model").read_bytes())
     capsys.readouterr()
-    assert run(tmp_path / "bad", cache, "--init-from", str(tmp_path / "src"), "--tokenizer", str(other)) == 2
-    assert "keeps its run's tokenizer" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert (
+        run(
+            tmp_path / "bad", cache, "--init-from", str(tmp_path / "src"), "--tokenizer", str(other)
+        )
+        == 2
+    )
+    assert (
+        "keeps its run's tokenizer" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    )
 
 
 def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
@@ -273,7 +421,11 @@ def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
     init0, _ = train.make_optimizer(c0)
     s0 = init0(p0)
     names0 = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
-    s0 = {**s0, "count": jnp.int32(7), "v": [jax.tree.map(lambda x, i=i: x + i + 1, v) for i, v in enumerate(s0["v"])]}
+    s0 = {
+        **s0,
+        "count": jnp.int32(7),
+        "v": [jax.tree.map(lambda x, i=i: x + i + 1, v) for i, v in enumerate(s0["v"])],
+    }
     arrays = {f"opt{k}": v for k, v in runs._flat(s0).items()}
     got = runs.restore_optimizer(train.make_optimizer(c1)[0](p1), p1, arrays, c0, "ckpt")
     assert int(got["count"]) == 7
@@ -284,7 +436,9 @@ def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
             np.testing.assert_array_equal(x, want, err_msg=name)
 
 
-def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path, cache, monkeypatch):
+def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(
+    tmp_path, cache, monkeypatch
+):
     assert run(tmp_path / "r", cache, "--steps", "2") == 0
     path = str(tmp_path / "r" / "checkpoint.npz")
     with open(path, "rb") as f:
@@ -295,18 +449,41 @@ def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_p
 
     monkeypatch.setattr(np, "savez", dies)
     with pytest.raises(KeyboardInterrupt):
-        runs.save_checkpoint(path, 3, {"a": np.zeros(2)}, {}, mt.init_state(mt.PRESETS["tiny"], 1), {})
+        runs.save_checkpoint(
+            path, 3, {"a": np.zeros(2)}, {}, mt.init_state(mt.PRESETS["tiny"], 1), {}
+        )
     with open(path, "rb") as f:
         assert f.read() == good
-    assert sorted(os.listdir(tmp_path / "r")) == sorted(runs.RUN_FILES)  # its temporary file removed
+    assert sorted(os.listdir(tmp_path / "r")) == sorted(
+        runs.RUN_FILES
+    )  # its temporary file removed
 
 
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke_run")
-    proc = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--data", "synthetic:40", "--steps", "10",
-                           "--log-every", "5", "--out", str(tmp / "smoke"), "--cache-dir", str(tmp / "cache")],
-                          cwd=HERE, capture_output=True, text=True, env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--preset",
+            "tiny",
+            "--data",
+            "synthetic:40",
+            "--steps",
+            "10",
+            "--log-every",
+            "5",
+            "--out",
+            str(tmp / "smoke"),
+            "--cache-dir",
+            str(tmp / "cache"),
+        ],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
     return proc, tmp / "smoke"
 
 
@@ -322,7 +499,9 @@ def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(smoke_run):
         assert json.load(f)["config"]["segment_length"] == mt.PRESETS["tiny"].segment_length
     lines = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert [l["step"] for l in lines if "loss" in l] == [5, 10]
-    assert [l for l in lines if "loss" in l][-1]["loss"] < 7.0  # falling from ln(2048) = 7.6 at the start
+    assert [l for l in lines if "loss" in l][-1][
+        "loss"
+    ] < 7.0  # falling from ln(2048) = 7.6 at the start
     assert "step     10 | loss" in proc.stdout
 
 
@@ -331,24 +510,39 @@ def three_runs_with_a_cache_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("three_runs_with_a_cache_dir")
     """Three runs with one --cache-dir, the third with JAX_COMPILATION_CACHE_DIR naming another
     cache: each run's process and the --cache-dir's compiled programs after it."""
+
     def train_run(out, **env):
-        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(tmp / out),
-                              "--cache-dir", str(tmp / "cache")], cwd=HERE, capture_output=True, text=True,
-                              env=child_env(**env))
+        proc = subprocess.run(
+            [sys.executable, "train.py"]
+            + FAST
+            + ["--steps", "2", "--out", str(tmp / out), "--cache-dir", str(tmp / "cache")],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            env=child_env(**env),
+        )
         return proc, sorted(os.listdir(tmp / "cache" / "jax"))
 
-    return tmp, [train_run("r1"), train_run("r2"), train_run("r3", JAX_COMPILATION_CACHE_DIR=str(tmp / "named"))]
+    return tmp, [
+        train_run("r1"),
+        train_run("r2"),
+        train_run("r3", JAX_COMPILATION_CACHE_DIR=str(tmp / "named")),
+    ]
 
 
 def test_a_second_run_loads_its_compiled_programs_from_the_cache_dir_and_gives_the_same_numbers(
-        three_runs_with_a_cache_dir):
+    three_runs_with_a_cache_dir,
+):
     """train.py keeps its compiled programs in --cache-dir's jax/ folder: a second run of the same
     config compiles nothing (no new entry) and gives the same numbers to the last digit; where
     JAX_COMPILATION_CACHE_DIR names a cache, that one is used instead."""
     tmp, runs = three_runs_with_a_cache_dir
     for proc, _ in runs:
         assert proc.returncode == 0, proc.stderr
-    first, second = ((json.loads((tmp / out / "eval.json").read_text()), losses(tmp / out)) for out in ("r1", "r2"))
+    first, second = (
+        (json.loads((tmp / out / "eval.json").read_text()), losses(tmp / out))
+        for out in ("r1", "r2")
+    )
     entries = runs[0][1]
     assert any(e.startswith("jit_step-") for e in entries), entries
     assert second == first and runs[1][1] == entries
@@ -361,21 +555,38 @@ def runs_on_cpu_devices(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs_on_cpu_devices")
     """FAST runs on 4 CPU devices, and where this session's backend is not a CPU on 1: each run's
     process and output directory, by number of devices."""
+
     def run_on(devices):
-        env = child_env(JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
-                      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
-        proc = subprocess.run([sys.executable, "train.py"] + FAST + ["--steps", "2", "--out", str(tmp / str(devices)),
-                              "--cache-dir", str(tmp / "cache")], cwd=HERE, capture_output=True, text=True, env=env)
+        env = child_env(
+            JAX_PLATFORMS="cpu",  # the session's flags (conftest), and the devices
+            XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={devices}",
+        )
+        proc = subprocess.run(
+            [sys.executable, "train.py"]
+            + FAST
+            + ["--steps", "2", "--out", str(tmp / str(devices)), "--cache-dir", str(tmp / "cache")],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         return proc, tmp / str(devices)
 
-    return {devices: run_on(devices) for devices in ([4] if jax.default_backend() == "cpu" else [1, 4])}
+    return {
+        devices: run_on(devices) for devices in ([4] if jax.default_backend() == "cpu" else [1, 4])
+    }
 
 
-def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cache, runs_on_cpu_devices):
+def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(
+    tmp_path, cache, runs_on_cpu_devices
+):
     for devices, (proc, _) in runs_on_cpu_devices.items():
         assert proc.returncode == 0, proc.stderr
         assert f"x{devices}" in proc.stdout
-    if jax.default_backend() == "cpu":  # one CPU device: this process, whose step is compiled already
+    if (
+        jax.default_backend() == "cpu"
+    ):  # one CPU device: this process, whose step is compiled already
         assert run(tmp_path / "one", cache, "--steps", "2") == 0
         one = losses(tmp_path / "one")
     else:
@@ -385,25 +596,31 @@ def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(tmp_path, cac
 
 
 # ----------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("flags, message", [
-    (["--data", "/no/such/path"], "does not exist"),
-    (["--memory-size", "100"], "multiple of segment_length"),
-    (["--num-neighbors", "128"], "num_neighbors"),
-    (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
-    (["--segment-length", "-4"], "argument --segment-length: must be positive, got -4"),
-    (["--steps", "0"], "argument --steps: must be positive, got 0"),
-    (["--memory-layers", "9"], "out of range"),
-    (["--eval-docs", "0"], "eval-docs"),
-    (["--resume", "--init-from", "x"], "cannot be combined"),
-    (["--min-doc-tokens", "100000"], "no document of at least 100000 tokens"),
-    (["--data", "synthetic:0"], "synthetic:N"),
-    (["--d-model", "100"], "must equal d_model (100)"),
-    (["--memory-layers", "2"], "memory layer index 2 is out of range for 2 layers"),
-    (["--num-layers", "1", "--memory-layers", "1"], "out of range for 1 layer (0-based)"),  # (once "1 layers")
-    (["--valid-fraction", "0.99"], "the corpus has 1 document, fewer than the 4 batch rows"),
-    (["--suffixes", ".py,,.c"], "comma-separated file name endings"),
-    (["--suffixes", ".py"], "--suffixes applies to a repository PATH"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--data", "/no/such/path"], "does not exist"),
+        (["--memory-size", "100"], "multiple of segment_length"),
+        (["--num-neighbors", "128"], "num_neighbors"),
+        (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
+        (["--segment-length", "-4"], "argument --segment-length: must be positive, got -4"),
+        (["--steps", "0"], "argument --steps: must be positive, got 0"),
+        (["--memory-layers", "9"], "out of range"),
+        (["--eval-docs", "0"], "eval-docs"),
+        (["--resume", "--init-from", "x"], "cannot be combined"),
+        (["--min-doc-tokens", "100000"], "no document of at least 100000 tokens"),
+        (["--data", "synthetic:0"], "synthetic:N"),
+        (["--d-model", "100"], "must equal d_model (100)"),
+        (["--memory-layers", "2"], "memory layer index 2 is out of range for 2 layers"),
+        (
+            ["--num-layers", "1", "--memory-layers", "1"],
+            "out of range for 1 layer (0-based)",
+        ),  # (once "1 layers")
+        (["--valid-fraction", "0.99"], "the corpus has 1 document, fewer than the 4 batch rows"),
+        (["--suffixes", ".py,,.c"], "comma-separated file name endings"),
+        (["--suffixes", ".py"], "--suffixes applies to a repository PATH"),
+    ],
+)
 def test_bad_flags_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys, flags, message):
     assert run(tmp_path / "bad", cache, *flags) == 2
     err = capsys.readouterr().err
@@ -413,16 +630,50 @@ def test_bad_flags_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys, fla
 def test_model_size_flags_set_the_config_and_the_parameter_shapes(tmp_path, cache):
     """Sec. 4.5 trains other sizes: every size field of Config has its flag (and the local
     attention's formulation, here the fused one, has one too)."""
-    assert run(tmp_path / "r", cache, "--steps", "1", "--d-model", "48", "--num-heads", "3", "--head-dim", "16",
-               "--d-ff", "96", "--num-layers", "2", "--memory-layers", "1", "--vocab-size", "1024",
-               "--attention", "fused") == 0
+    assert (
+        run(
+            tmp_path / "r",
+            cache,
+            "--steps",
+            "1",
+            "--d-model",
+            "48",
+            "--num-heads",
+            "3",
+            "--head-dim",
+            "16",
+            "--d-ff",
+            "96",
+            "--num-layers",
+            "2",
+            "--memory-layers",
+            "1",
+            "--vocab-size",
+            "1024",
+            "--attention",
+            "fused",
+        )
+        == 0
+    )
     with open(tmp_path / "r" / "config.json") as f:
         c = json.load(f)["config"]
-    assert (c["d_model"], c["num_heads"], c["head_dim"], c["d_ff"], c["num_layers"], c["vocab_size"], c["attention"]) == \
-        (48, 3, 16, 96, 2, 1024, "fused")
+    assert (
+        c["d_model"],
+        c["num_heads"],
+        c["head_dim"],
+        c["d_ff"],
+        c["num_layers"],
+        c["vocab_size"],
+        c["attention"],
+    ) == (48, 3, 16, 96, 2, 1024, "fused")
     _, arrays = runs.load_checkpoint(str(tmp_path / "r" / "checkpoint.npz"))
-    assert arrays["params['embed']"].shape == (1024, 48) and arrays["params['w_out']"].shape == (48, 1024)
-    assert arrays["params['layers'][1]['wq']"].shape == (48, 3, 16) and arrays["params['layers'][1]['w1']"].shape == (48, 96)
+    assert arrays["params['embed']"].shape == (1024, 48) and arrays["params['w_out']"].shape == (
+        48,
+        1024,
+    )
+    assert arrays["params['layers'][1]['wq']"].shape == (48, 3, 16) and arrays[
+        "params['layers'][1]['w1']"
+    ].shape == (48, 96)
     assert "params['layers'][2]['wq']" not in arrays
 
 
@@ -448,12 +699,18 @@ def test_bad_files_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys):
     # A checkpoint of another config (M = 64) in a run whose config has M = 128: mismatched shapes.
     assert run(tmp_path / "r3", cache, "--steps", "1", "--memory-size", "128") == 0
     (tmp_path / "r3" / "checkpoint.npz").write_bytes(good)
-    assert train.main(["--out", str(tmp_path / "r3"), "--cache-dir", cache, "--steps", "2", "--resume"]) == 2
+    assert (
+        train.main(
+            ["--out", str(tmp_path / "r3"), "--cache-dir", cache, "--steps", "2", "--resume"]
+        )
+        == 2
+    )
     assert "this config needs" in capsys.readouterr().err
 
 
-def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_would_not(tmp_path, cache, capsys,
-                                                                                     monkeypatch):
+def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_would_not(
+    tmp_path, cache, capsys, monkeypatch
+):
     """--resume once ignored every model, training and data flag without a word (--lr 0.5 trained
     on at the run's own rate). Now such a flag is refused before anything is written, also at
     its default value (--data stdlib on a run of other data); one that repeats the run's value,
@@ -464,18 +721,44 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_woul
     other = tmp_path / "other.model"
     other.write_bytes((out / "tokenizer.model").read_bytes())
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
-    for flag in (["--lr", "0.5"], ["--memory-size", "128"], ["--memory-layers", "0"], ["--seed", "3"],
-                 ["--no-xl-cache"], ["--dtype", "bfloat16"], ["--preset", "small"], ["--data", "synthetic:41"],
-                 ["--eval-docs", "3"], ["--tokenizer", str(other)], ["--data", "stdlib"]):
+    for flag in (
+        ["--lr", "0.5"],
+        ["--memory-size", "128"],
+        ["--memory-layers", "0"],
+        ["--seed", "3"],
+        ["--no-xl-cache"],
+        ["--dtype", "bfloat16"],
+        ["--preset", "small"],
+        ["--data", "synthetic:41"],
+        ["--eval-docs", "3"],
+        ["--tokenizer", str(other)],
+        ["--data", "stdlib"],
+    ):
         assert run(out, cache, "--steps", "2", "--resume", *flag) == 2, flag
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and " ".join(flag) + " would" in err and "would change it" in err, (flag, err)
+        assert (
+            err.count("\n") == 1 and " ".join(flag) + " would" in err and "would change it" in err
+        ), (flag, err)
         assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before, flag
-    same = ["--preset", "tiny", "--memory-layers", "1", "--memory-dtype", "float32", "--xl-cache", "--tokenizer",
-            str(out / "tokenizer.model"), "--log-every", "2", "--save-every", "1"]
+    same = [
+        "--preset",
+        "tiny",
+        "--memory-layers",
+        "1",
+        "--memory-dtype",
+        "float32",
+        "--xl-cache",
+        "--tokenizer",
+        str(out / "tokenizer.model"),
+        "--log-every",
+        "2",
+        "--save-every",
+        "1",
+    ]
     assert run(out, cache, "--steps", "2", "--resume", *same) == 0
     assert json.loads((out / "eval.json").read_text())["step"] == 2
-    # A run of a relative --data path, resumed from another directory: named, not a bare "does not exist".
+    # A run of a relative --data path, resumed from another directory: named, not a bare "does not
+    # exist".
     saved = json.loads((out / "config.json").read_text())
     saved["args"]["data"] = "corpus"
     (out / "config.json").write_text(json.dumps(saved))
@@ -484,7 +767,11 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_takes_one_that_woul
     monkeypatch.chdir(tmp_path)
     assert train.main(["--out", str(out), "--resume", "--steps", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"'corpus' does not exist from {tmp_path}" in err and "started in" in err, err
+    assert (
+        err.count("\n") == 1
+        and f"'corpus' does not exist from {tmp_path}" in err
+        and "started in" in err
+    ), err
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
 
@@ -500,7 +787,9 @@ def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, mo
 
     def conflict(was, value):
         saved = {"config": config, "args": {"data": was}}
-        return runs.resume_conflict(argparse.Namespace(data=value), saved, str(tmp_path / "run"), {"data"})
+        return runs.resume_conflict(
+            argparse.Namespace(data=value), saved, str(tmp_path / "run"), {"data"}
+        )
 
     for same in ("corpus", "./corpus/", str(tmp_path / "corpus"), "link", "other/../corpus"):
         assert conflict("corpus", same) is None, same
@@ -515,8 +804,17 @@ def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, mo
 # ----------------------------------------------------------------------------- interruptions
 def start(out, cache, *extra):
     """train.py with FAST in a subprocess, from an early job (so with child_env())."""
-    return subprocess.Popen([sys.executable, "train.py"] + FAST + ["--out", str(out), "--cache-dir", cache] + list(extra),
-                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    return subprocess.Popen(
+        [sys.executable, "train.py"]
+        + FAST
+        + ["--out", str(out), "--cache-dir", cache]
+        + list(extra),
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
 
 
 def ending(proc):
@@ -545,7 +843,9 @@ def run_stopped_by_ctrl_c(tmp_path_factory):
     return proc.wait(timeout=60), proc.stderr.read(), tmp / "r", str(tmp / "cache")
 
 
-def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path, cache, run_stopped_by_ctrl_c):
+def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(
+    tmp_path, cache, run_stopped_by_ctrl_c
+):
     code, err, out, its_cache = run_stopped_by_ctrl_c
     assert code == 130 and "interrupted at step" in err
     meta, _ = runs.load_checkpoint(str(out / "checkpoint.npz"))
@@ -553,7 +853,9 @@ def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_
     assert run(out, its_cache, "--steps", str(k + 3), "--resume") == 0
     assert run(tmp_path / "full", cache, "--steps", str(k + 3), "--save-every", "100000") == 0
     got, want = losses(out), losses(tmp_path / "full")
-    np.testing.assert_allclose([got[s] for s in range(1, k + 4)], [want[s] for s in range(1, k + 4)], rtol=1e-6)
+    np.testing.assert_allclose(
+        [got[s] for s in range(1, k + 4)], [want[s] for s in range(1, k + 4)], rtol=1e-6
+    )
 
 
 @pytest.fixture(scope="session")
@@ -579,7 +881,9 @@ def run_killed_at_random_points(tmp_path_factory):
     return first, loaded, out, cache
 
 
-def test_kill_9_at_random_points_never_loses_the_last_checkpoint(tmp_path, cache, run_killed_at_random_points):
+def test_kill_9_at_random_points_never_loses_the_last_checkpoint(
+    tmp_path, cache, run_killed_at_random_points
+):
     (code, err), loaded, out, its_cache = run_killed_at_random_points
     assert code == 0, err  # a first checkpoint
     for meta in loaded:  # loadable, whatever the timing
@@ -587,23 +891,40 @@ def test_kill_9_at_random_points_never_loses_the_last_checkpoint(tmp_path, cache
     k = runs.load_checkpoint(str(out / "checkpoint.npz"))[0]["step"]
     # What a kill during a save leaves (a checkpoint-sized file each time, once kept forever),
     # by the names atomic_write gives (and gave), goes at the next resume; other files stay.
-    left = [".checkpoint.npz.k1ll3d_x.partial", ".metrics.jsonl.abcdefgh.partial", "tmpk1ll3d_x.tmp"]
+    left = [
+        ".checkpoint.npz.k1ll3d_x.partial",
+        ".metrics.jsonl.abcdefgh.partial",
+        "tmpk1ll3d_x.tmp",
+    ]
     for name in left + ["notes.tmp", ".checkpoint.npz.mine.partial"]:
         (out / name).write_bytes(b"x")
     assert run(out, its_cache, "--steps", str(k + 2), "--resume") == 0
-    assert sorted(os.listdir(out)) == sorted(list(runs.RUN_FILES) + ["notes.tmp", ".checkpoint.npz.mine.partial"])
+    assert sorted(os.listdir(out)) == sorted(
+        list(runs.RUN_FILES) + ["notes.tmp", ".checkpoint.npz.mine.partial"]
+    )
     assert run(tmp_path / "full", cache, "--steps", str(k + 2), "--save-every", "100000") == 0
     got, want = losses(out), losses(tmp_path / "full")
-    np.testing.assert_allclose([got[s] for s in range(1, k + 3)], [want[s] for s in range(1, k + 3)], rtol=1e-6)
+    np.testing.assert_allclose(
+        [got[s] for s in range(1, k + 3)], [want[s] for s in range(1, k + 3)], rtol=1e-6
+    )
 
 
-def test_a_non_finite_loss_stops_training_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, cache, capsys):
+def test_a_non_finite_loss_stops_training_naming_the_step_and_keeps_the_last_checkpoint(
+    tmp_path, cache, capsys
+):
     out = tmp_path / "r"
     assert run(out, cache, "--steps", "2") == 0
     # Weights near the float32 limit: the next forward pass overflows.
     meta, arrays = runs.load_checkpoint(str(out / "checkpoint.npz"))
-    arrays = {k: (v * 1e37 if k.startswith("params") and k.endswith("['wq']") else v) for k, v in arrays.items()}
-    np.savez(out / "checkpoint.npz", __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    arrays = {
+        k: (v * 1e37 if k.startswith("params") and k.endswith("['wq']") else v)
+        for k, v in arrays.items()
+    }
+    np.savez(
+        out / "checkpoint.npz",
+        __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+        **arrays,
+    )
     before = (out / "checkpoint.npz").read_bytes()
     assert run(out, cache, "--steps", "5", "--resume", "--save-every", "1") == 3
     err = capsys.readouterr().err
@@ -615,8 +936,19 @@ def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_do
     """Ethics section: clearing the memory at a document's end must clear it physically. Row 0
     reads a secret document of 3 segments, then starts another; every key and value vector
     the secret produced (any layer) is searched for in row 0 of every saved state array."""
-    cfg = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=8,
-                    memory_layers=(1,), memory_size=32, num_neighbors=4, batch_size=2)
+    cfg = mt.Config(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=2,
+        head_dim=16,
+        d_ff=48,
+        segment_length=8,
+        memory_layers=(1,),
+        memory_size=32,
+        num_neighbors=4,
+        batch_size=2,
+    )
     params = mt.init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
     fwd = jax.jit(mt.forward, static_argnums=4)
@@ -642,21 +974,43 @@ def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_do
 def test_gradient_accumulation_gives_the_same_step_as_one_big_batch(memory_size, xl_cache):
     """Also without a memory and an XL cache, whose state arrays then have a length of 0 (their
     micro-batches were once put back together with a reshape that divides by it)."""
-    cfg = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=8,
-                    memory_layers=(1,), memory_size=memory_size, num_neighbors=4, batch_size=4, warmup_steps=1,
-                    xl_cache=xl_cache)
+    cfg = mt.Config(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=2,
+        head_dim=16,
+        d_ff=48,
+        segment_length=8,
+        memory_layers=(1,),
+        memory_size=memory_size,
+        num_neighbors=4,
+        batch_size=4,
+        warmup_steps=1,
+        xl_cache=xl_cache,
+    )
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (4, 8)).astype(np.int32)
     mask = rng.random((4, 8)) < 0.8
-    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": mask, "reset": np.ones(4, bool)}
+    batch = {
+        "tokens": tokens,
+        "targets": np.roll(tokens, -1, 1),
+        "mask": mask,
+        "reset": np.ones(4, bool),
+    }
     results = []
     for accum in (1, 2):
         c = cfg.replace(grad_accum=accum)
         params = mt.init_params(c, jax.random.PRNGKey(0))
-        out = train.make_train_step(c)(params, train.make_optimizer(c)[0](params), mt.init_state(c, 4), batch)
+        out = train.make_train_step(c)(
+            params, train.make_optimizer(c)[0](params), mt.init_state(c, 4), batch
+        )
         results.append(jax.device_get(out))
     (p1, _, s1, m1), (p2, _, s2, m2) = results
-    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5) and m1["tokens"] == m2["tokens"] == mask.sum()
+    assert (
+        m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+        and m1["tokens"] == m2["tokens"] == mask.sum()
+    )
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     for a, b in zip(s1, s2):
@@ -667,11 +1021,27 @@ def test_a_run_compiles_its_train_step_once():
     """The step's outputs have the types of its inputs, so feeding them back never recompiles.
     (Parameters made with a Python float, e.g. jnp.full(shape, 5.66), are 'weakly typed' float32,
     a different input type from the step's float32 output: every run compiled its step twice.)"""
-    c = mt.Config(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16, d_ff=48, segment_length=8,
-                  memory_layers=(1,), memory_size=16, num_neighbors=4, batch_size=4, warmup_steps=1)
+    c = mt.Config(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=2,
+        head_dim=16,
+        d_ff=48,
+        segment_length=8,
+        memory_layers=(1,),
+        memory_size=16,
+        num_neighbors=4,
+        batch_size=4,
+        warmup_steps=1,
+    )
     tokens = np.random.default_rng(0).integers(0, 64, (4, 8)).astype(np.int32)
-    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "mask": np.ones((4, 8), bool),
-             "reset": np.zeros(4, bool)}
+    batch = {
+        "tokens": tokens,
+        "targets": np.roll(tokens, -1, 1),
+        "mask": np.ones((4, 8), bool),
+        "reset": np.zeros(4, bool),
+    }
     step = train.make_train_step.__wrapped__(c)  # a fresh jit, not the one other tests share
     params = mt.init_params(c, jax.random.PRNGKey(0))
     carry = (params, train.make_optimizer(c)[0](params), mt.init_state(c, 4))

@@ -3,12 +3,15 @@
   python train.py                                  # the tiny preset on the stdlib, minutes on a CPU
   python train.py --preset small --data PATH       # one GPU
   python train.py --out runs/a --resume            # continue an interrupted run exactly
-  python train.py --init-from runs/a --memory-size 2048 --steps 200   # fine-tune to a larger memory (Sec. 4.4)
-  python train.py --out runs/b --coordinator HOST:PORT --num-processes 2 --process-id 0   # one of 2 processes (README)
+  python train.py --init-from runs/a --memory-size 2048 --steps 200   # fine-tune to a larger memory
+  (Sec. 4.4)
+  python train.py --out runs/b --coordinator HOST:PORT --num-processes 2 --process-id 0   # one of 2
+  processes (README)
 
 A run writes config.json, metrics.jsonl (one JSON object per logged step and per evaluation),
 eval.json, tokenizer.model and checkpoint.npz to --out; runs.py does the files, flags and signals.
 """
+
 import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
 
 if __name__ == "__main__":
@@ -35,8 +38,17 @@ import runs
 
 
 # ----------------------------------------------------------------------------- Adafactor
-def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_threshold=1.0,
-              beta1=None, multiply_by_parameter_scale=True, min_dim_size_to_factor=32, plain=None):
+def adafactor(
+    learning_rate,
+    decay_rate=0.8,
+    eps1=1e-30,
+    eps2=1e-3,
+    clip_threshold=1.0,
+    beta1=None,
+    multiply_by_parameter_scale=True,
+    min_dim_size_to_factor=32,
+    plain=None,
+):
     """Adafactor (Shazeer & Stern, 2018) with optax's (init, update) convention.
 
     For a gradient G at step t (from 1), with beta2_t = 1 - t^(-decay_rate):
@@ -68,8 +80,12 @@ def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_thresho
             if ax is None:
                 v.append({"v": jnp.zeros_like(x)})
             else:
-                v.append({"r": jnp.zeros_like(jnp.mean(x, axis=ax[1], keepdims=True)),
-                          "c": jnp.zeros_like(jnp.mean(x, axis=ax[0], keepdims=True))})
+                v.append(
+                    {
+                        "r": jnp.zeros_like(jnp.mean(x, axis=ax[1], keepdims=True)),
+                        "c": jnp.zeros_like(jnp.mean(x, axis=ax[0], keepdims=True)),
+                    }
+                )
         m = [jnp.zeros_like(x) for x in leaves] if beta1 is not None else None
         return {"count": jnp.zeros((), jnp.int32), "v": v, "m": m}
 
@@ -88,8 +104,12 @@ def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_thresho
                 v = beta2 * state["v"][i]["v"] + (1 - beta2) * g2
                 new_v.append({"v": v})
             else:
-                r = beta2 * state["v"][i]["r"] + (1 - beta2) * jnp.mean(g2, axis=ax[1], keepdims=True)
-                c = beta2 * state["v"][i]["c"] + (1 - beta2) * jnp.mean(g2, axis=ax[0], keepdims=True)
+                r = beta2 * state["v"][i]["r"] + (1 - beta2) * jnp.mean(
+                    g2, axis=ax[1], keepdims=True
+                )
+                c = beta2 * state["v"][i]["c"] + (1 - beta2) * jnp.mean(
+                    g2, axis=ax[0], keepdims=True
+                )
                 new_v.append({"r": r, "c": c})
                 v = (r / jnp.mean(r, axis=ax[0], keepdims=True)) * c  # this order never underflows
             u = g * jax.lax.rsqrt(v)
@@ -101,7 +121,11 @@ def adafactor(learning_rate, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip_thresho
             if multiply_by_parameter_scale and x.ndim >= 2 and not plain_leaves[i]:
                 scale = lr * jnp.maximum(eps2, jnp.sqrt(jnp.mean(x * x)))
             updates.append(-scale * u)
-        return jax.tree.unflatten(treedef, updates), {"count": t, "v": new_v, "m": new_m if beta1 is not None else None}
+        return jax.tree.unflatten(treedef, updates), {
+            "count": t,
+            "v": new_v,
+            "m": new_m if beta1 is not None else None,
+        }
 
     return init, update
 
@@ -117,8 +141,9 @@ def make_optimizer(config):
     """Adafactor on the schedule. The T5 bias tables take the plain step: they start at 0, where a
     step relative to their scale would leave them, and the model's only position signal, frozen."""
     shapes = jax.eval_shape(lambda: mt.init_params(config, jax.random.PRNGKey(0)))
-    plain = jax.tree_util.tree_map_with_path(lambda path, _: any(getattr(k, "key", None) == "rel_bias" for k in path),
-                                             shapes)
+    plain = jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) == "rel_bias" for k in path), shapes
+    )
     return adafactor(lambda t: learning_rate(t, config.lr, config.warmup_steps), plain=plain)
 
 
@@ -137,8 +162,9 @@ def make_train_step(config, ops=kernels.FAST):
     _, opt_update = make_optimizer(config)
 
     def summed_loss(params, state, batch):
-        logits, new_state = mt.forward(params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"],
-                                       ops=ops)
+        logits, new_state = mt.forward(
+            params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"], ops=ops
+        )
         m = batch["mask"].astype(jnp.float32)
         return jnp.sum(mt.cross_entropy(logits, batch["targets"]) * m), (new_state, jnp.sum(m))
 
@@ -149,24 +175,40 @@ def make_train_step(config, ops=kernels.FAST):
         if A == 1:
             (total, (state, n)), grads = grad_fn(params, state, batch)
         else:
-            # Micro-batch a takes the a-th A-th of every device's rows, so that no row, and no memory,
-            # leaves its device: [B, ...] -> [D, A, B/(D A), ...] -> [A, B/A, ...] (on one device, a reshape).
-            B, D = config.batch_size, jax.device_count()  # (sizes written out: a state of length 0 has no -1)
-            split = lambda x: x.reshape((D, A, B // (D * A)) + x.shape[1:]).swapaxes(0, 1).reshape(
-                (A, B // A) + x.shape[1:])
-            merge = lambda x: x.reshape((A, D, B // (D * A)) + x.shape[2:]).swapaxes(0, 1).reshape((B,) + x.shape[2:])
+            # Micro-batch a takes the a-th A-th of every device's rows, so that no row, and no
+            # memory,
+            # leaves its device: [B, ...] -> [D, A, B/(D A), ...] -> [A, B/A, ...] (on one device, a
+            # reshape).
+            B, D = (
+                config.batch_size,
+                jax.device_count(),
+            )  # (sizes written out: a state of length 0 has no -1)
+            split = lambda x: (
+                x.reshape((D, A, B // (D * A)) + x.shape[1:])
+                .swapaxes(0, 1)
+                .reshape((A, B // A) + x.shape[1:])
+            )
+            merge = lambda x: (
+                x.reshape((A, D, B // (D * A)) + x.shape[2:])
+                .swapaxes(0, 1)
+                .reshape((B,) + x.shape[2:])
+            )
 
             def micro(acc, xs):
                 (l, (s, n)), g = grad_fn(params, xs[0], xs[1])
                 return jax.tree.map(jnp.add, acc, (l, n, g)), s
 
             zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            (total, n, grads), states = jax.lax.scan(micro, zeros, (jax.tree.map(split, state), jax.tree.map(split, batch)))
+            (total, n, grads), states = jax.lax.scan(
+                micro, zeros, (jax.tree.map(split, state), jax.tree.map(split, batch))
+            )
             state = jax.tree.map(merge, states)
         n = jnp.maximum(n, 1.0)
         updates, opt_state = opt_update(jax.tree.map(lambda g: g / n, grads), opt_state, params)
         params = jax.tree.map(jnp.add, params, updates)
-        finite = jnp.isfinite(total) & jnp.all(jnp.array([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+        finite = jnp.isfinite(total) & jnp.all(
+            jnp.array([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)])
+        )
         metrics = {"loss": total / n, "tokens": n, "finite": finite}
         for i in config.active_memory_layers:
             metrics[f"gate_{i}"] = jnp.mean(jax.nn.sigmoid(params["layers"][i]["gate_bias"]))
@@ -180,8 +222,11 @@ def make_train_step(config, ops=kernels.FAST):
 @functools.lru_cache(maxsize=8)
 def make_eval_step(config, ops=kernels.FAST):
     def step(params, state, batch):
-        logits, state = mt.forward(params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"], ops=ops)
+        logits, state = mt.forward(
+            params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"], ops=ops
+        )
         return state, mt.cross_entropy(logits, batch["targets"]) * batch["mask"]  # [B, T]
+
     return jax.jit(step, donate_argnums=(1,))
 
 
@@ -200,7 +245,9 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
     state = mt.init_state(config, rows)
     total, count, ref_ce, ref_dist = 0.0, 0, [], []
     for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
-        state, ce = eval_step(params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")})
+        state, ce = eval_step(
+            params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")}
+        )
         ce = np.asarray(ce, np.float64)
         total, count = total + float(ce.sum()), count + int(batch["mask"].sum())
         for b in range(rows) if distances is not None else ():
@@ -208,12 +255,14 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
             if n:  # target j of this segment is token offset + 1 + j of its document
                 d, off = batch["doc"][b], batch["offset"][b]
                 ref_ce.append(ce[b, :n])
-                ref_dist.append(distances[d][off + 1:off + 1 + n])
+                ref_dist.append(distances[d][off + 1 : off + 1 + n])
     loss = total / max(count, 1)
     result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
     if ref_ce:
         ce, dist = np.concatenate(ref_ce), np.concatenate(ref_dist)
-        result.update(reference_loss=float(ce[dist != 0].mean()), reference_tokens=int((dist != 0).sum()))
+        result.update(
+            reference_loss=float(ce[dist != 0].mean()), reference_tokens=int((dist != 0).sum())
+        )
         for band, (lo, hi) in DISTANCE_BANDS.items():
             sel = (dist > lo * config.segment_length) & (dist <= hi * config.segment_length)
             if sel.any():
@@ -228,40 +277,61 @@ def full_evaluation(params, config, docs, distances, eval_step):
     result = evaluate(params, config, docs, config.batch_size, eval_step, distances)
     if config.active_memory_layers:
         off = evaluate(mt.memory_off(params), config, docs, config.batch_size, eval_step, distances)
-        result.update({f"{k}_memory_off": v for k, v in off.items() if k in ("loss", "perplexity") or
-                       k.startswith("reference_loss")})
+        result.update(
+            {
+                f"{k}_memory_off": v
+                for k, v in off.items()
+                if k in ("loss", "perplexity") or k.startswith("reference_loss")
+            }
+        )
     return result
 
 
 def format_eval(step, r):
     """The printed line of an evaluation: loss, perplexity, memory off, reference losses."""
     off = f" (memory off {r['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in r else ""
-    refs = "".join(f" | ref {b} {r[f'reference_loss_{b}']:.3f}" + (
-        f" (off {r[f'reference_loss_{b}_memory_off']:.3f})" if f"reference_loss_{b}_memory_off" in r else "")
-        for b in DISTANCE_BANDS if f"reference_loss_{b}" in r)
+    refs = "".join(
+        f" | ref {b} {r[f'reference_loss_{b}']:.3f}"
+        + (
+            f" (off {r[f'reference_loss_{b}_memory_off']:.3f})"
+            if f"reference_loss_{b}_memory_off" in r
+            else ""
+        )
+        for b in DISTANCE_BANDS
+        if f"reference_loss_{b}" in r
+    )
     return f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}{refs}"
 
 
 def eval_record(step, r):
     """An evaluation as one metrics.jsonl record."""
-    return {"step": step, "eval_loss": r["loss"], "eval_perplexity": r["perplexity"],
-            **{k: v for k, v in r.items() if k.startswith(("reference_loss", "perplexity_memory_off"))}}
+    return {
+        "step": step,
+        "eval_loss": r["loss"],
+        "eval_perplexity": r["perplexity"],
+        **{k: v for k, v in r.items() if k.startswith(("reference_loss", "perplexity_memory_off"))},
+    }
 
 
 # ----------------------------------------------------------------------------- the run
 def initial_state(config, args, out, stream, documents):
     """(params, optimizer state, model state, step): fresh, resumed from the checkpoint in --out,
     or with --init-from's weights. Reads, never writes."""
+
     def fresh():
         params = mt.init_params(config, jax.random.PRNGKey(config.seed))
         return params, make_optimizer(config)[0](params)
 
     state = mt.init_state(config, config.batch_size)
     if args.resume:  # the checkpoint has every value: the structure and dtypes are enough
-        return runs.resume(out, *jax.eval_shape(fresh), state, stream, documents, args.data, config.steps)
+        return runs.resume(
+            out, *jax.eval_shape(fresh), state, stream, documents, args.data, config.steps
+        )
     params, opt_state = fresh()
     if args.init_from:  # fine-tuning continues the schedule and the optimizer, unless --fresh-start
-        params, opt_state, step = runs.init_from(args.init_from, params, opt_state, args.fresh_start)
+        params, opt_state, step = runs.init_from(
+            args.init_from, params, opt_state, args.fresh_start
+        )
         return params, opt_state, state, step
     return params, opt_state, state, 0
 
@@ -273,20 +343,34 @@ def distribute(params, opt_state, state):
     if jax.device_count() == 1:
         return params, opt_state, state, lambda batch: batch
     place = multihost.place
-    return place(params, False), place(opt_state, False), place(state, True), lambda batch: place(batch, True)
+    return (
+        place(params, False),
+        place(opt_state, False),
+        place(state, True),
+        lambda batch: place(batch, True),
+    )
 
 
 def log_step(log, step, metrics, config, tokens_per_s):
     """One training line: to metrics.jsonl (JSON) and to stdout."""
-    rec = {"step": step, "loss": float(metrics["loss"]), "perplexity": math.exp(min(float(metrics["loss"]), 50)),
-           "lr": float(learning_rate(step, config.lr, config.warmup_steps)), "tokens_per_s": tokens_per_s}
+    rec = {
+        "step": step,
+        "loss": float(metrics["loss"]),
+        "perplexity": math.exp(min(float(metrics["loss"]), 50)),
+        "lr": float(learning_rate(step, config.lr, config.warmup_steps)),
+        "tokens_per_s": tokens_per_s,
+    }
     rec.update({k: float(v) for k, v in metrics.items() if k.startswith(("gate", "memory"))})
     log.write(json.dumps(rec) + "\n")
     log.flush()
     gates = " ".join(f"g{k[5:]} {v:.3f}" for k, v in rec.items() if k.startswith("gate_"))
     fill = f" fill {rec['memory_fill']:.2f}" if "memory_fill" in rec else ""
-    print(f"step {step:6d} | loss {rec['loss']:.4f} | ppl {rec['perplexity']:9.2f} | lr {rec['lr']:.2e} | "
-          f"{rec['tokens_per_s']:8.0f} tok/s{fill} {gates}", flush=True)
+    print(
+        f"step {step:6d} | loss {rec['loss']:.4f} | ppl {rec['perplexity']:9.2f} | lr "
+        f"{rec['lr']:.2e} | "
+        f"{rec['tokens_per_s']:8.0f} tok/s{fill} {gates}",
+        flush=True,
+    )
 
 
 def train(args, given):
@@ -295,35 +379,61 @@ def train(args, given):
     try:
         with contextlib.ExitStack() as quiet:
             if not multihost.is_main():  # process 0 prints the run's lines
-                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+                quiet.enter_context(
+                    contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w")))
+                )
             return train_run(args, given)
     finally:
         multihost.stop()
 
 
 def train_run(args, given):
-    """Check everything (flags, run directory, data, checkpoints, memory) before the first write, then
-    train to config.steps, saving every --save-every steps and on Ctrl-C, then evaluate. given: the
-    flags argv gave. With several processes each check is agreed (one refusal stops them all), and
-    only process 0 writes."""
+    """Check everything (flags, run directory, data, checkpoints, memory) before the first write,
+    then train to config.steps, saving every --save-every steps and on Ctrl-C, then evaluate. given:
+    the flags argv gave. With several processes each check is agreed (one refusal stops them all),
+    and only process 0 writes."""
     t_start, main, agree = time.time(), multihost.is_main(), multihost.agree
     with contextlib.ExitStack() as held:  # the run directory's lock
         out, config, tokenizer = agree(lambda: runs.run_config(args, given))
-        locked = agree(lambda: main and runs.lock_run_dir(out, held))  # before the checkpoint is read
+        locked = agree(
+            lambda: main and runs.lock_run_dir(out, held)
+        )  # before the checkpoint is read
 
         def prepare():
             runs.use_compilation_cache(args.cache_dir)  # before the first compile
             return data.prepare(args, config.vocab_size, tokenizer)
-        prepared = agree(lambda: prepare() if main else None)  # process 0 first: it fills the caches
-        train_docs, valid_docs, distances, tok_path, documents = agree(lambda: prepared or prepare())
-        stream = data.segment_batches(train_docs, config.batch_size, config.segment_length, config.seed)
-        params, opt_state, state, step = agree(lambda: initial_state(config, args, out, stream, documents))
-        multihost.check_same(json.dumps([out, dataclasses.asdict(config), documents, data.file_hash(tok_path), step,
-                                         {k: v for k, v in vars(args).items() if k not in runs.RESUME_MAY_CHANGE}]))
+
+        prepared = agree(
+            lambda: prepare() if main else None
+        )  # process 0 first: it fills the caches
+        train_docs, valid_docs, distances, tok_path, documents = agree(
+            lambda: prepared or prepare()
+        )
+        stream = data.segment_batches(
+            train_docs, config.batch_size, config.segment_length, config.seed
+        )
+        params, opt_state, state, step = agree(
+            lambda: initial_state(config, args, out, stream, documents)
+        )
+        multihost.check_same(
+            json.dumps(
+                [
+                    out,
+                    dataclasses.asdict(config),
+                    documents,
+                    data.file_hash(tok_path),
+                    step,
+                    {k: v for k, v in vars(args).items() if k not in runs.RESUME_MAY_CHANGE},
+                ]
+            )
+        )
         if args.init_from and step:  # fine-tuning: --steps more steps after the checkpoint's
             config = config.replace(steps=step + config.steps)
         if args.resume and step == config.steps and runs.finished(out, step):
-            print(f"{out} finished at step {step} (eval.json): nothing to do; give --steps to train further.")
+            print(
+                f"{out} finished at step {step} (eval.json): nothing to do; give --steps to train "
+                "further."
+            )
             return 0
 
         def claim():  # a new directory: made and locked now, and still without a run in it
@@ -331,40 +441,69 @@ def train_run(args, given):
                 os.makedirs(out, exist_ok=True)
                 runs.lock_run_dir(out, held)
             if not args.resume and runs.holds_run(out):
-                raise runs.UsageError(f"{out} already holds a run, which another train.py started meanwhile; "
-                                      f"choose another --out.")
+                raise runs.UsageError(
+                    f"{out} already holds a run, which another train.py started meanwhile; "
+                    f"choose another --out."
+                )
             runs.drop_partial_files(out)
             runs.write_run_files(out, args, config, tok_path, step)
+
         agree(lambda: claim() if main else None)
 
         ckpt_path = os.path.join(out, "checkpoint.npz")
         params, opt_state, state, place = distribute(params, opt_state, state)
-        train_step, eval_step = make_train_step(step_config(config)), make_eval_step(step_config(config))
+        train_step, eval_step = (
+            make_train_step(step_config(config)),
+            make_eval_step(step_config(config)),
+        )
         processes = f" in {jax.process_count()} processes" if multihost.several() else ""
-        print(f"run {out}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params, "
-              f"{sum(map(len, train_docs)) / 1e6:.2f}M train tokens, {len(train_docs)} train / {len(valid_docs)} "
-              f"valid documents, device {jax.devices()[0].platform} x{jax.device_count()}{processes}, memory "
-              f"{config.memory_size} in layers {list(config.active_memory_layers)}", flush=True)
+        print(
+            f"run {out}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params, "
+            f"{sum(map(len, train_docs)) / 1e6:.2f}M train tokens, {len(train_docs)} train / "
+            f"{len(valid_docs)} "
+            f"valid documents, device {jax.devices()[0].platform} "
+            f"x{jax.device_count()}{processes}, memory "
+            f"{config.memory_size} in layers {list(config.active_memory_layers)}",
+            flush=True,
+        )
         pieces = data.load_tokenizer(tok_path).get_piece_size()
-        if pieces < config.vocab_size:  # SentencePiece stops early when the corpus has no more merges to learn
-            print(f"note: the tokenizer has {pieces} pieces, fewer than the vocabulary size {config.vocab_size}: "
-                  f"{config.vocab_size - pieces} rows of the embedding and of the output layer will never be used "
-                  f"(--vocab-size {pieces} trains without them).", flush=True)
+        if (
+            pieces < config.vocab_size
+        ):  # SentencePiece stops early when the corpus has no more merges to learn
+            print(
+                f"note: the tokenizer has {pieces} pieces, fewer than the vocabulary size "
+                f"{config.vocab_size}: "
+                f"{config.vocab_size - pieces} rows of the embedding and of the output layer will "
+                "never be used "
+                f"(--vocab-size {pieces} trains without them).",
+                flush=True,
+            )
         metrics_path = os.path.join(out, "metrics.jsonl") if main else os.devnull
         with runs.interrupt_flag() as stop, open(metrics_path, "a") as log:
             t_log, tokens_since = time.time(), 0
             while step < config.steps:
                 batch = next(stream)
                 mt.check_tokens(batch["tokens"], config.vocab_size)
-                new = train_step(params, opt_state, state, place({k: batch[k] for k in ("tokens", "targets", "mask",
-                                                                                          "reset")}))
+                new = train_step(
+                    params,
+                    opt_state,
+                    state,
+                    place({k: batch[k] for k in ("tokens", "targets", "mask", "reset")}),
+                )
                 metrics = multihost.gather(new[3])
-                if not metrics["finite"]:  # a non-finite loss, or weights that overflowed in the update
-                    runs.say(f"error: the loss or the weights became non-finite at step {step + 1}; stopped, the last "
-                             f"checkpoint ({ckpt_path}) is kept.")
+                if not metrics[
+                    "finite"
+                ]:  # a non-finite loss, or weights that overflowed in the update
+                    runs.say(
+                        f"error: the loss or the weights became non-finite at step {step + 1}; "
+                        "stopped, the last "
+                        f"checkpoint ({ckpt_path}) is kept."
+                    )
                     return 3
                 (params, opt_state, state), step = new[:3], step + 1
-                stopping = multihost.any_of(stop["signal"])  # a Ctrl-C on one process stops them all here
+                stopping = multihost.any_of(
+                    stop["signal"]
+                )  # a Ctrl-C on one process stops them all here
                 tokens_since += int(metrics["tokens"])
                 if step % args.log_every == 0 or step == config.steps:
                     log_step(log, step, metrics, config, tokens_since / (time.time() - t_log))
@@ -374,32 +513,55 @@ def train_run(args, given):
                     print(format_eval(step, r), flush=True)
                     log.write(json.dumps(eval_record(step, r)) + "\n")
                 if step % args.save_every == 0 or step == config.steps or stopping:
-                    whole = multihost.gather((params, opt_state, state))  # every row, from every process
+                    whole = multihost.gather(
+                        (params, opt_state, state)
+                    )  # every row, from every process
                     if main:
-                        runs.save_checkpoint(ckpt_path, step, *whole, stream.position(), documents,
-                                             data.file_hash(tok_path))
+                        runs.save_checkpoint(
+                            ckpt_path,
+                            step,
+                            *whole,
+                            stream.position(),
+                            documents,
+                            data.file_hash(tok_path),
+                        )
                 if stopping:
-                    runs.say(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with --out {out} "
-                             f"--resume")
+                    runs.say(
+                        f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue "
+                        f"with --out {out} "
+                        f"--resume"
+                    )
                     return 130
         try:
-            result = {"step": step, **full_evaluation(params, config, valid_docs, distances, eval_step)}
+            result = {
+                "step": step,
+                **full_evaluation(params, config, valid_docs, distances, eval_step),
+            }
         except KeyboardInterrupt:
-            runs.say(f"interrupted during the final evaluation; the checkpoint of step {step} is saved: --out {out} "
-                     f"--resume evaluates it.")
+            runs.say(
+                f"interrupted during the final evaluation; the checkpoint of step {step} is saved: "
+                f"--out {out} "
+                f"--resume evaluates it."
+            )
             return 130
         if main:
             with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(eval_record(step, result)) + "\n")
             runs.atomic_write(os.path.join(out, "eval.json"), runs.json_text(result))
-        print(f"{format_eval(step, result)} | {result['tokens']} tokens | {time.time() - t_start:.0f} s total | "
-              f"{out}/eval.json", flush=True)
+        print(
+            f"{format_eval(step, result)} | {result['tokens']} tokens | "
+            f"{time.time() - t_start:.0f} s total | "
+            f"{out}/eval.json",
+            flush=True,
+        )
         return 0
 
 
 def main(argv=None):
     # argv is parsed a second time to tell which flags it gives; having parsed once, it cannot fail
-    return runs.run_main(runs.train_parser(), lambda args: train(args, runs.given_flags(argv)), argv)
+    return runs.run_main(
+        runs.train_parser(), lambda args: train(args, runs.given_flags(argv)), argv
+    )
 
 
 if __name__ == "__main__":
