@@ -1,14 +1,11 @@
 """What the memory costs: step time against memory size, next to the arithmetic floor.
 
-  python benchmark.py                                   # tiny preset, M = 0, 8192, 65536
-  python benchmark.py --rounds 21 --steps 15            # also: ratios from steps called in turn
-  python benchmark.py --ops plain                       # the model's plain pieces instead of
-  kernels.FAST
-  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --attention fused --train-only
-  --compile-jobs 3
+  python benchmark.py                          # tiny preset, M = 0, 8192, 65536
+  python benchmark.py --rounds 21 --steps 15   # also: ratios from steps called in turn
+  python benchmark.py --ops plain              # the model's plain pieces, not kernels.FAST
+  python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --attention fused
   python benchmark.py --search --memory-sizes 8192,65536   # the memory search alone
-  python benchmark.py --peer /tmp/peer/bin/python --repeats 3   # against
-  memorizing-transformers-pytorch
+  python benchmark.py --peer /tmp/peer/bin/python --repeats 3   # against lucidrains' peer
 
 Each memory size runs in its own process (so that peak memory is that row's own), compiles the
 jitted train step, warms up, and reports the median of --steps timed steps. A second table times

@@ -31,6 +31,11 @@ class DataError(ValueError):
     """Bad input data: the message is one sentence for the user."""
 
 
+def plural(n, word):
+    """'1 document', '2 documents': the project's one plural."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 class Document(NamedTuple):
     id: str
     text: str
@@ -691,9 +696,7 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
             else str(e).strip().splitlines()[-1]
         )
         raise DataError(
-            f"cannot train a tokenizer of {vocab_size} piece{'' if vocab_size == 1 else 's'} on "
-            "this "
-            f"corpus: {why}."
+            f"cannot train a tokenizer of {plural(vocab_size, 'piece')} on this corpus: {why}."
         ) from None
     _write_cache(path, lambda f: f.write(model.getvalue()))
     return load_tokenizer(path)
@@ -831,8 +834,12 @@ class SegmentBatches:
     starts a new document). A document of N tokens gives ceil((N - 1) / T) segments.
 
     Training (epochs=None): document order is reshuffled every epoch with the seed, forever.
-    Evaluation (epochs=1): one pass; finished rows get fully masked segments, and the
-    iterator stops when every row is done. `position()` / `restore()` save and resume.
+    No step holds one document in two rows (Sec. 3: each row's subsequence comes from a
+    different document): a row skips the documents other rows are still reading, taking the
+    next free one of the order in their place, and they wait; where the rest of an epoch is all
+    being read, the row starts the next epoch. Evaluation (epochs=1): one pass; finished rows
+    get fully masked segments, and the iterator stops when every row is done.
+    `position()` / `restore()` save and resume.
     """
 
     def __init__(self, docs, batch_size, segment_length, seed=0, epochs=None):
@@ -844,9 +851,8 @@ class SegmentBatches:
         if epochs is None and len(self.docs) < batch_size:
             n = len(self.docs)
             raise DataError(
-                f"the corpus has {n} document{'' if n == 1 else 's'}, fewer than the {batch_size} "
-                "batch "
-                f"rows; lower --batch-size or add documents."
+                f"the corpus has {plural(n, 'document')}, fewer than the {batch_size} batch rows "
+                "(each row reads its own document, Sec. 3); lower --batch-size or add documents."
             )
         self.B, self.T, self.seed, self.epochs = batch_size, segment_length, seed, epochs
         self.epoch, self.next_doc = 0, 0  # position in the epoch's shuffled order
@@ -859,15 +865,34 @@ class SegmentBatches:
             np.random.default_rng([self.seed, epoch]).shuffle(order)
         return order
 
-    def _take_document(self):
-        if self.next_doc == len(self._order):
-            if self.epochs is not None and self.epoch + 1 >= self.epochs:
-                return None
-            self.epoch, self.next_doc = self.epoch + 1, 0
-            self._order = self._epoch_order(self.epoch)
-        d = int(self._order[self.next_doc])
-        self.next_doc += 1
-        return d
+    def _take_document(self, busy):
+        """The next document of the order that no other row is reading (`busy`)."""
+        while True:
+            if self.next_doc == len(self._order):
+                if self.epochs is not None and self.epoch + 1 >= self.epochs:
+                    return None
+                self.epoch, self.next_doc = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            free = [i for i in range(self.next_doc, len(self._order)) if self._order[i] not in busy]
+            if not free:  # the rest of this epoch is being read: the next epoch
+                self.next_doc = len(self._order)
+                continue
+            i = free[0]  # it moves up; the busy documents before it wait one place
+            self._order[self.next_doc : i + 1] = np.roll(self._order[self.next_doc : i + 1], 1)
+            d = int(self._order[self.next_doc])
+            self.next_doc += 1
+            return d
+
+    def _reading(self, b, batch):
+        """The documents the other rows read at this step: rows before b have taken theirs,
+        rows after b go on with theirs unless finished."""
+        before = {int(d) for d in batch["doc"][:b] if d >= 0}
+        after = {
+            r[0]
+            for r in self.rows[b + 1 :]
+            if r is not None and r[1] < len(self.docs[r[0]]) - 1
+        }
+        return before | after
 
     def __iter__(self):
         return self
@@ -885,7 +910,7 @@ class SegmentBatches:
         for b in range(B):
             row = self.rows[b]
             if row is None or row[1] >= len(self.docs[row[0]]) - 1:  # finished: next document
-                d = self._take_document()
+                d = self._take_document(self._reading(b, batch))
                 self.rows[b] = row = None if d is None else [d, 0]
                 batch["reset"][b] = True
             if row is None:
@@ -908,6 +933,7 @@ class SegmentBatches:
             "epoch": self.epoch,
             "next_doc": self.next_doc,
             "rows": [None if r is None else list(r) for r in self.rows],
+            "order": [int(d) for d in self._order],
         }
 
     def restore(self, pos):
@@ -932,13 +958,18 @@ class SegmentBatches:
                 for r in rows
             )
         )
+        # The epoch's order as the rows left it (a position written before it was kept: the
+        # seeded order).
+        order = pos.get("order", [int(d) for d in self._epoch_order(epoch)])
+        fits = fits and isinstance(order, list) and all(map(is_count, order))
+        fits = fits and sorted(order) == list(range(len(self.docs)))
         if not fits:
             raise ValueError(
                 f"the position {pos!r} does not fit {len(self.docs)} documents in {self.B} rows"
             )
         self.epoch, self.next_doc = epoch, next_doc
         self.rows = [None if r is None else list(r) for r in rows]
-        self._order = self._epoch_order(self.epoch)
+        self._order = np.asarray(order, np.int64)
         return self
 
 

@@ -5,8 +5,7 @@
   python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
   python evaluate.py explore RUN_DIR [--doc N] --out page.html
   python evaluate.py recall RUN_DIR [--memory-size M] [--dtype bfloat16]
-  python evaluate.py reach RUN_DIR [--distances 1024,4096,16384,61440] [--memory-sizes
-  512,2048,8192,65536]
+  python evaluate.py reach RUN_DIR [--distances 1024,61440] [--memory-sizes 512,65536]
   python evaluate.py finetune [--steps 1500] [--finetune-steps 500] [--out-root runs/finetune]
   python evaluate.py table [--data ...] [--steps N] [--seeds N] [--out-root DIR]
 

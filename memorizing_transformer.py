@@ -99,9 +99,8 @@ def check_config(c):
           "and >= 0.")
     check(not M or K <= M, f"num_neighbors ({K}) must be <= memory_size ({M}).")
     for i in c.memory_layers:
-        layers = "1 layer" if c.num_layers == 1 else f"{c.num_layers} layers"
-        check(0 <= i < c.num_layers, f"memory layer index {i} is out of range for {layers} "
-              "(0-based).")
+        check(0 <= i < c.num_layers, f"memory layer index {i} is out of range: num_layers is "
+              f"{c.num_layers} and the indices are 0-based.")
     check(len(set(c.memory_layers)) == len(c.memory_layers),
           f"memory_layers has a repeated index: {c.memory_layers}.")
     check(not M or c.memory_layers, f"memory_size is {M} but memory_layers names no layer; "

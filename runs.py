@@ -76,8 +76,7 @@ class UsageError(Exception):
     """Bad input from the user: printed as one sentence, exit code 2."""
 
 
-def plural(n, word):
-    return f"{n} {word}{'' if n == 1 else 's'}"
+plural = data.plural  # the project's one plural
 
 
 # ----------------------------------------------------------------------------- writing files

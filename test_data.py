@@ -76,6 +76,46 @@ def test_reset_marks_every_document_start_and_nothing_else(docs, T, seed):
 
 
 @SETTINGS
+@given(
+    lengths=st.lists(st.integers(2, 60), min_size=1, max_size=14),
+    B=st.integers(1, 6),
+    seed=st.integers(0, 5),
+)
+def test_no_step_holds_one_document_in_two_rows(lengths, B, seed):
+    """Sec. 3: each row's subsequence comes from a different document, across epoch wraps too
+    (B = 5 with 11 documents once gave two rows document 1 at step 8); every document is still
+    read, and each row reads its document from its start to its end."""
+    docs = [np.arange(n, dtype=np.int32) + 1 for n in lengths]
+    if len(docs) < B:
+        with pytest.raises(data.DataError, match="fewer than the"):
+            data.segment_batches(docs, B, 5, seed)
+        return
+    it = data.segment_batches(docs, B, 5, seed)
+    seen, expected_offset = set(), [None] * B
+    for _ in range(80):
+        batch = next(it)
+        held = [int(d) for d in batch["doc"] if d >= 0]
+        assert len(held) == len(set(held)), held
+        for b in range(B):
+            if batch["reset"][b]:
+                expected_offset[b] = 0
+            assert batch["offset"][b] == expected_offset[b]
+            expected_offset[b] += 5
+        seen.update(held)
+    assert seen == set(range(len(docs))) or sum(lengths) > 80 * B * 5 // 2
+
+
+def test_five_rows_over_eleven_documents_never_share_one():
+    """The case that was seen: B = 5, 11 documents of mixed lengths, over several epochs."""
+    rng = np.random.default_rng(0)
+    docs = [np.arange(n, dtype=np.int32) + 1 for n in rng.integers(2, 90, 11)]
+    it = data.segment_batches(docs, 5, 8, seed=0)
+    for step in range(300):
+        held = [int(d) for d in next(it)["doc"]]
+        assert len(set(held)) == 5, (step, held)
+
+
+@SETTINGS
 @given(docs=docs_strategy, k=st.integers(0, 30), seed=st.integers(0, 3))
 def test_save_and_restore_continue_the_stream_identically(docs, k, seed):
     B = min(2, len(docs))

@@ -251,12 +251,12 @@ def busy(seconds, until=lambda: False):
 def test_a_ctrl_c_that_python_drops_is_delivered_again_and_stops_the_command(capsys):
     def command(_):
         drop_a_ctrl_c()
-        busy(3)
+        busy(120)  # a command that ends by itself only long after any redelivery
         return 0
 
     t = time.time()
-    assert runs.run_command(command, None) == 130
-    assert time.time() - t < 1.5
+    assert runs.run_command(command, None) == 130  # stopped by the Ctrl-C, delivered again
+    assert time.time() - t < 60
     assert capsys.readouterr().err == "interrupted; no file was left half-written.\n"
     # Delivered again to what SIGINT does by then: the training loop's flag, not an exception.
     old = signal.signal(signal.SIGINT, signal.default_int_handler)

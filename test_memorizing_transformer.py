@@ -82,7 +82,8 @@ def reference_memory(dots, mask, config):
     them: dots [B, H, N, N] (query i, key j), mask [B, N] -> bool [B, H, N, N]. Each segment with
     a valid token takes the next T slots, the oldest dropped once M are full; a padded key is
     never valid. Exact top-k with k = M takes every held key; the binned top-k (slot s in bin
-    s mod G, rows of G bins) takes each bin's best held key, then the k best of those."""
+    s mod G, rows of G bins) takes each bin's best held key, then the k best of those; the
+    exact top-k the k best held keys."""
     B, H, N, _ = dots.shape
     T, M, K = config.segment_length, config.memory_size, config.num_neighbors
     G = mt.bin_layout(K, M, config.topk_recall_target)[0]
@@ -99,8 +100,10 @@ def reference_memory(dots, mask, config):
                         slot[m * T + t] = first + t
             for h in range(H):
                 for i in range(n * T, (n + 1) * T):
-                    if config.exact_topk or K >= len(slot):
+                    if K >= len(slot):
                         picked = list(slot)
+                    elif config.exact_topk:
+                        picked = sorted(slot, key=lambda j: -dots[b, h, i, j])[:K]
                     else:
                         best = {}  # bin -> its best key position
                         for j, s in slot.items():

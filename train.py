@@ -1,12 +1,10 @@
 """Train a Memorizing Transformer (Sec. 4.2): Adafactor, the schedule, the steps and the loop.
 
-  python train.py                                  # the tiny preset on the stdlib, minutes on a CPU
-  python train.py --preset small --data PATH       # one GPU
-  python train.py --out runs/a --resume            # continue an interrupted run exactly
-  python train.py --init-from runs/a --memory-size 2048 --steps 200   # fine-tune to a larger memory
-  (Sec. 4.4)
-  python train.py --out runs/b --coordinator HOST:PORT --num-processes 2 --process-id 0   # one of 2
-  processes (README)
+  python train.py                              # the tiny preset on the stdlib, minutes on a CPU
+  python train.py --preset small --data PATH   # one GPU
+  python train.py --out runs/a --resume        # continue an interrupted run exactly
+  python train.py --init-from runs/a --memory-size 2048 --steps 200   # fine-tune (Sec. 4.4)
+  python train.py --out runs/b --coordinator HOST:PORT --num-processes 2 --process-id 0
 
 A run writes config.json, metrics.jsonl (one JSON object per logged step and per evaluation),
 eval.json, tokenizer.model and checkpoint.npz to --out; runs.py does the files, flags and signals.
