@@ -318,6 +318,40 @@ def test_the_attention_over_retrieved_pairs_in_terms_equals_the_plain_one_with_i
 
 # ----------------------------------------------------------------------------- the whole model
 @pytest.mark.parametrize("attention", ["explicit", "fused"])
+def test_the_kernels_in_bfloat16_stay_within_bfloat16_rounding_of_the_plain_pieces(attention):
+    """--dtype bfloat16 with kernels.FAST against mt.PLAIN in bfloat16, on a CPU as anywhere:
+    random T5 tables and gates, so that the bias and gate paths are used, a reset and padding.
+    Each computes in its own order, so they agree to bf16's 8 bits, not bit for bit."""
+    cfg = SMALL.replace(exact_topk=True, attention=attention, dtype="bfloat16")
+    params = randomize(mt.init_params(cfg, jax.random.PRNGKey(4)), 4)
+    tokens, T = random_tokens(5, cfg, 2, 4), cfg.segment_length
+    mask = jnp.asarray(np.arange(T)[None] < np.array([[T], [T - 3]]))
+
+    @jax.jit
+    def segment(params, state, tokens, reset):
+        def loss(params, ops):
+            logits, new = mt.forward(params, state, tokens, reset, cfg, mask=mask, ops=ops)
+            return mt.loss(logits, tokens, mask), (logits, new)
+
+        grad = jax.value_and_grad(loss, has_aux=True)
+        return [grad(params, ops) for ops in (mt.PLAIN, kernels.FAST)]
+
+    state = mt.init_state(cfg, 2)
+    for n in range(4):
+        reset = jnp.asarray([n == 0, n == 2])
+        ((_, (want, state)), want_grads), ((_, (got, _)), got_grads) = segment(
+            params, state, tokens[:, n * T : (n + 1) * T], reset
+        )
+        spread = float(np.std(np.asarray(want)))
+        assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 0.05 * spread
+        # Each leaf's gradient to a few bf16 roundings of its norm; a vector's (a scale's, a
+        # gate's: a sum over every token of products of bf16 values) is the noisiest.
+        for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+            error = float(jnp.linalg.norm(g - w) / (jnp.linalg.norm(w) + 1e-12))
+            assert error < (0.25 if w.ndim == 1 else 0.05), (w.shape, error)
+
+
+@pytest.mark.parametrize("attention", ["explicit", "fused"])
 def test_forward_with_the_kernels_equals_forward_with_the_plain_pieces_and_so_do_its_gradients(
     attention,
 ):

@@ -792,6 +792,7 @@ def test_presets_are_valid_and_paper_matches_section_4_2():
 
 def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
     """Mixed precision: bf16 matmuls, activations and memory; fp32 params and softmax statistics."""
+    params = randomize(params, 9)  # T5 tables and gates away from 0 and 0.5: their paths in bf16
     tokens = random_tokens(9, SMALL, 2, 3)
     want, _ = stream(params, tokens, SMALL)
     got, state = stream(params, tokens, SMALL.replace(dtype="bfloat16"))

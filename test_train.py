@@ -78,6 +78,64 @@ def np_adafactor(
     return x
 
 
+def np_adafactor_3d(x, grads, lr, batch_axis, factored, eps1=1e-30, eps2=1e-3):
+    """np_adafactor for a leaf of rank 3, such as wq [E, H, D] or wo [H, D, E]: factored over
+    its two other axes, slice by slice along batch_axis; the update's clipping and the
+    parameter's scale over the whole leaf. Loop by loop."""
+    x = np.moveaxis(x.astype(np.float64), batch_axis, 0).copy()  # [k, n, m]
+    grads = [np.moveaxis(g.astype(np.float64), batch_axis, 0) for g in grads]
+    k, n, m = x.shape
+    R, C, V = np.zeros((k, n)), np.zeros((k, m)), np.zeros(x.shape)
+    for t, g in enumerate(grads, 1):
+        beta2 = 1 - t**-0.8
+        U = np.zeros(x.shape)
+        for s in range(k):
+            for i in range(n):
+                for j in range(m):
+                    if not factored:
+                        V[s, i, j] = beta2 * V[s, i, j] + (1 - beta2) * (g[s, i, j] ** 2 + eps1)
+                        U[s, i, j] = g[s, i, j] / math.sqrt(V[s, i, j])
+            if factored:
+                for i in range(n):
+                    row = sum(g[s, i, j] ** 2 + eps1 for j in range(m)) / m
+                    R[s, i] = beta2 * R[s, i] + (1 - beta2) * row
+                for j in range(m):
+                    column = sum(g[s, i, j] ** 2 + eps1 for i in range(n)) / n
+                    C[s, j] = beta2 * C[s, j] + (1 - beta2) * column
+                for i in range(n):
+                    for j in range(m):
+                        U[s, i, j] = g[s, i, j] / math.sqrt(R[s, i] * C[s, j] / np.mean(R[s]))
+        U = U / max(1.0, math.sqrt(np.mean(U**2)))
+        x = x - lr(t) * max(eps2, math.sqrt(np.mean(x**2))) * U
+    return np.moveaxis(x, 0, batch_axis)
+
+
+def test_adafactor_on_the_models_rank_3_leaves_matches_its_definition():
+    """wq [E, H, D] and wo [H, D, E] factor over their two largest axes, each head's slice apart;
+    a rank-3 leaf with an axis below 32 among its two largest is not factored."""
+    rng = np.random.default_rng(2)
+    params = {
+        "wq": rng.standard_normal((40, 3, 36)).astype(np.float32),  # [E, H, D]
+        "wo": rng.standard_normal((3, 36, 40)).astype(np.float32),  # [H, D, E]
+        "narrow": rng.standard_normal((40, 3, 8)).astype(np.float32),
+    }
+    grads = [
+        {k: (rng.standard_normal(v.shape) * s).astype(np.float32) for k, v in params.items()}
+        for s in (1.0, 0.01, 3.0)
+    ]
+    lr = lambda t: 0.1 / t
+    init, update = train.adafactor(lr)
+    update = jax.jit(update)
+    p = jax.tree.map(jnp.asarray, params)
+    state = init(p)
+    for g in grads:
+        u, state = update(jax.tree.map(jnp.asarray, g), state, p)
+        p = jax.tree.map(jnp.add, p, u)
+    for name, batch_axis, factored in (("wq", 1, True), ("wo", 0, True), ("narrow", 1, False)):
+        want = np_adafactor_3d(params[name], [g[name] for g in grads], lr, batch_axis, factored)
+        np.testing.assert_allclose(p[name], want, rtol=2e-5, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("beta1", [None, 0.9])
 def test_adafactor_matches_its_definition_computed_by_hand(beta1):
     rng = np.random.default_rng(0)
