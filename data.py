@@ -888,9 +888,7 @@ class SegmentBatches:
         rows after b go on with theirs unless finished."""
         before = {int(d) for d in batch["doc"][:b] if d >= 0}
         after = {
-            r[0]
-            for r in self.rows[b + 1 :]
-            if r is not None and r[1] < len(self.docs[r[0]]) - 1
+            r[0] for r in self.rows[b + 1 :] if r is not None and r[1] < len(self.docs[r[0]]) - 1
         }
         return before | after
 

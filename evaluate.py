@@ -22,21 +22,18 @@ if __name__ == "__main__":
 import argparse
 import csv
 import dataclasses
-import functools
 import io
 import json
 import keyword
 import math
 import os
 import re
-import sys
 import time
 
 import jax
 import numpy as np
 
 import data
-import kernels
 import memorizing_transformer as mt
 import runs
 import train
@@ -137,37 +134,15 @@ def validation_docs(args, run_args, sp, config):
 def per_token_loss(params, config, doc):
     """Cross-entropy of every prediction of one document, from its start with a fresh memory:
     a float array of len(doc) - 1, and the retrievals of each segment."""
-    step = _stream_step(train.step_config(config))
+    step = train.make_forward_step(train.step_config(config), retrievals=True)
     state = mt.init_state(config, 1)
     losses, retrievals = [], []
     for batch in data.SegmentBatches([doc], 1, config.segment_length, epochs=1):
-        state, ce, ret = step(
-            params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")}
-        )
+        state, ce, _, ret = step(params, state, train.model_inputs(batch))
         n = int(batch["mask"].sum())
         losses.append(np.asarray(ce[0, :n]))
         retrievals.append(jax.tree.map(np.asarray, ret))
     return np.concatenate(losses), retrievals
-
-
-@functools.lru_cache(maxsize=8)
-def _stream_step(config):
-    """forward with retrievals and per-token cross-entropy, jitted once per config."""
-
-    def step(params, state, batch):
-        logits, state, ret = mt.forward(
-            params,
-            state,
-            batch["tokens"],
-            batch["reset"],
-            config,
-            mask=batch["mask"],
-            return_retrievals=True,
-            ops=kernels.FAST,
-        )
-        return state, mt.cross_entropy(logits, batch["targets"]), ret
-
-    return jax.jit(step)
 
 
 # ----------------------------------------------------------------------------- subcommands
@@ -192,7 +167,7 @@ def cmd_perplexity(args):
         "memory_size": config.memory_size,
         "exact_topk": config.exact_topk,
         **train.full_evaluation(
-            params, config, docs, distances, train.make_eval_step(train.step_config(config))
+            params, config, docs, distances, train.make_forward_step(train.step_config(config))
         ),
     }
     tokens = runs.plural(result["tokens"], "token")
@@ -586,7 +561,7 @@ def cmd_reach(args):
             raise runs.UsageError(f"--memory-sizes {m}: {e}") from None
         runs.check_fits(configs[-1], config.batch_size)
     steps = {
-        m: train.make_eval_step(train.step_config(c)) for m, c in zip(args.memory_sizes, configs)
+        m: train.make_forward_step(train.step_config(c)) for m, c in zip(args.memory_sizes, configs)
     }
     chance = math.log(len(data.SYNTHETIC_VALUES))
     print(

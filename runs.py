@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -1300,3 +1301,106 @@ def exit_with(code):
     with contextlib.suppress(OSError, ValueError, AttributeError):
         sys.stderr.flush()
     os._exit(code or 0)
+
+
+# ----------------------------------------------------------------------------- a run's start
+class Run(NamedTuple):
+    """What train.py's loop needs, checked and prepared before its first write."""
+
+    out: str
+    config: mt.Config
+    train_docs: list
+    valid_docs: list
+    distances: object  # synthetic data: per validation document, how far back each reference is
+    tok_path: str
+    documents: dict  # the fingerprints of the train and validation documents
+    stream: data.SegmentBatches
+    params: dict
+    opt_state: dict
+    state: mt.State
+    step: int
+    done: bool  # --resume of a run that finished at its --steps: nothing to do
+
+
+def open_run(args, given, held, fresh):
+    """Check everything (flags, run directory, data, checkpoints, memory), lock the directory
+    in `held`, prepare the data, restore or start the weights (fresh(config) -> params, optimizer
+    state) and claim the directory with the run's files. With several processes each check is
+    agreed (one refusal stops them all), and only process 0 writes."""
+    import multihost  # (multihost imports this module)
+
+    agree, is_main = multihost.agree, multihost.is_main()
+    out, config, tokenizer = agree(lambda: run_config(args, given))
+    locked = agree(lambda: is_main and lock_run_dir(out, held))  # before the checkpoint is read
+
+    def prepare():
+        use_compilation_cache(args.cache_dir)  # before the first compile
+        return data.prepare(args, config.vocab_size, tokenizer)
+
+    prepared = agree(lambda: prepare() if is_main else None)  # process 0 fills the caches
+    train_docs, valid_docs, distances, tok_path, documents = agree(lambda: prepared or prepare())
+    stream = data.segment_batches(train_docs, config.batch_size, config.segment_length, config.seed)
+    start = agree(lambda: initial_state(config, args, out, stream, documents, fresh))
+    params, opt_state, state, step = start
+    flags = {k: v for k, v in vars(args).items() if k not in RESUME_MAY_CHANGE}
+    shared = [out, dataclasses.asdict(config), documents, data.file_hash(tok_path), step, flags]
+    multihost.check_same(json.dumps(shared))
+    if args.init_from and step:  # fine-tuning: --steps more steps after the checkpoint's
+        config = config.replace(steps=step + config.steps)
+    done = bool(args.resume and step == config.steps and finished(out, step))
+
+    def claim():  # a new directory: made and locked now, and still without a run in it
+        if not locked:
+            os.makedirs(out, exist_ok=True)
+            lock_run_dir(out, held)
+        if not args.resume and holds_run(out):
+            raise UsageError(
+                f"{out} already holds a run, which another train.py started "
+                "meanwhile; choose another --out."
+            )
+        drop_partial_files(out)
+        write_run_files(out, args, config, tok_path, step)
+
+    if not done:
+        agree(lambda: claim() if is_main else None)
+    return Run(
+        out,
+        config,
+        train_docs,
+        valid_docs,
+        distances,
+        tok_path,
+        documents,
+        stream,
+        params,
+        opt_state,
+        state,
+        step,
+        done,
+    )
+
+
+def initial_state(config, args, out, stream, documents, fresh):
+    """(params, optimizer state, model state, step): fresh, resumed from the checkpoint in --out,
+    or with --init-from's weights. Reads, never writes."""
+    state = mt.init_state(config, config.batch_size)
+    if args.resume:  # the checkpoint has every value: the structure and dtypes are enough
+        shapes = jax.eval_shape(lambda: fresh(config))
+        return resume(out, *shapes, state, stream, documents, args.data, config.steps)
+    params, opt_state = fresh(config)
+    if args.init_from:  # fine-tuning continues the schedule and the optimizer, unless --fresh-start
+        params, opt_state, step = init_from(args.init_from, params, opt_state, args.fresh_start)
+        return params, opt_state, state, step
+    return params, opt_state, state, 0
+
+
+def note_unused_pieces(tok_path, vocab_size):
+    """SentencePiece stops early when the corpus has no more merges to learn: say so."""
+    pieces = data.load_tokenizer(tok_path).get_piece_size()
+    if pieces < vocab_size:
+        print(
+            f"note: the tokenizer has {pieces} pieces, fewer than the vocabulary size "
+            f"{vocab_size}: {vocab_size - pieces} rows of the embedding and of the output layer "
+            f"will never be used (--vocab-size {pieces} trains without them).",
+            flush=True,
+        )

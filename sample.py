@@ -21,28 +21,14 @@ if __name__ == "__main__":
     startup.leave_on_early_signals()
 
 import argparse
-import functools
-import sys
 
-import jax
 import numpy as np
 
 import data
 import evaluate
-import kernels
 import memorizing_transformer as mt
 import runs
-
-
-@functools.lru_cache(maxsize=8)
-def _segment_step(config):
-    """forward over one segment of one row, jitted once per config; the state is not donated
-    (a partial segment's call must leave it as it was)."""
-    return jax.jit(
-        lambda params, state, tokens, reset, mask: mt.forward(
-            params, state, tokens, reset, config, mask=mask, ops=kernels.FAST
-        )
-    )
+import train
 
 
 def next_token(logits, temperature, top_k, rng):
@@ -77,7 +63,9 @@ def generate(
     on_token(id) is called as each token is chosen."""
     if not len(prompt):
         raise ValueError("the prompt has no tokens.")
-    T, step = config.segment_length, _segment_step(config)
+    T = config.segment_length
+    # The state is not donated: a partial segment's call must leave it as it was.
+    step = train.make_forward_step(train.step_config(config), donate=False, logits=True)
     rng = np.random.default_rng(seed)
     state, text, done = (
         mt.init_state(config, 1),
@@ -89,7 +77,9 @@ def generate(
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(segment)] = segment
         mask = np.arange(T)[None] < len(segment)
-        return step(params, state, tokens, np.array([done == 0]), mask)
+        batch = {"tokens": tokens, "targets": tokens, "mask": mask, "reset": np.array([done == 0])}
+        state, _, logits, _ = step(params, state, batch)
+        return logits, state
 
     new = []
     while len(new) < num_tokens:

@@ -812,12 +812,10 @@ def test_a_probes_definition_is_in_the_memory_exactly_when_within_reach_says_so(
     seen = {True: 0, False: 0}
     for m in (64, 128, 256):
         cfg = config.replace(memory_size=m)
-        step = evaluate._stream_step(train.step_config(cfg))
+        step = train.make_forward_step(train.step_config(cfg))
         state, states = mt.init_state(cfg, 1), []
         for batch in data.SegmentBatches([doc], 1, T, epochs=1):
-            state, _, _ = step(
-                params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")}
-            )
+            state, _, _, _ = step(params, state, train.model_inputs(batch))
             states.append(jax.tree.map(np.array, state))
         for key, query in probes:
             k = states[key // T].pending_k[0, 0, :, key % T]  # [H, D] the key as written

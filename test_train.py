@@ -669,10 +669,10 @@ def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(
         (["--min-doc-tokens", "100000"], "no document of at least 100000 tokens"),
         (["--data", "synthetic:0"], "synthetic:N"),
         (["--d-model", "100"], "must equal d_model (100)"),
-        (["--memory-layers", "2"], "memory layer index 2 is out of range for 2 layers"),
+        (["--memory-layers", "2"], "memory layer index 2 is out of range: num_layers is 2"),
         (
             ["--num-layers", "1", "--memory-layers", "1"],
-            "out of range for 1 layer (0-based)",
+            "out of range: num_layers is 1 and the indices are 0-based",
         ),  # (once "1 layers")
         (["--valid-fraction", "0.99"], "the corpus has 1 document, fewer than the 4 batch rows"),
         (["--suffixes", ".py,,.c"], "comma-separated file name endings"),

@@ -16,12 +16,10 @@ if __name__ == "__main__":
     startup.leave_on_early_signals()
 
 import contextlib
-import dataclasses
 import functools
 import json
 import math
 import os
-import sys
 import time
 
 import jax
@@ -217,15 +215,29 @@ def make_train_step(config, ops=kernels.FAST):
     return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
-@functools.lru_cache(maxsize=8)
-def make_eval_step(config, ops=kernels.FAST):
-    def step(params, state, batch):
-        logits, state = mt.forward(
-            params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"], ops=ops
-        )
-        return state, mt.cross_entropy(logits, batch["targets"]) * batch["mask"]  # [B, T]
+MODEL_INPUTS = ("tokens", "targets", "mask", "reset")
 
-    return jax.jit(step, donate_argnums=(1,))
+
+def model_inputs(batch):
+    """The arrays of a batch that the steps take (data.py adds doc and offset, to read by)."""
+    return {k: batch[k] for k in MODEL_INPUTS}
+
+
+@functools.lru_cache(maxsize=16)
+def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=kernels.FAST):
+    """forward over a segment of every row, jitted once per config, for training's evaluation,
+    evaluate.py and sample.py: (params, state, batch) -> (state, cross-entropy [B, T] (0 on
+    padding), logits [B, T, V] or None, retrievals or None). donate=False keeps the state given."""
+
+    def step(params, state, batch):
+        tokens, reset, mask = batch["tokens"], batch["reset"], batch["mask"]
+        out, state, found = mt.forward(
+            params, state, tokens, reset, config, mask=mask, return_retrievals=True, ops=ops
+        )
+        ce = mt.cross_entropy(out, batch["targets"]) * mask  # [B, T]
+        return state, ce, out if logits else None, found if retrievals else None
+
+    return jax.jit(step, donate_argnums=(1,) if donate else ())
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -238,14 +250,12 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
     """Token-level validation loss, each document from its start with a fresh memory. distances
     (synthetic data, per document): how far back each reference token's value last appeared; the
     result then also has the loss on the references in each band, e.g. reference_loss_far."""
-    eval_step = eval_step or make_eval_step(step_config(config))
+    eval_step = eval_step or make_forward_step(step_config(config))
     rows = max(1, min(batch_size, len(docs)))
     state = mt.init_state(config, rows)
     total, count, ref_ce, ref_dist = 0.0, 0, [], []
     for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
-        state, ce = eval_step(
-            params, state, {k: batch[k] for k in ("tokens", "targets", "mask", "reset")}
-        )
+        state, ce, _, _ = eval_step(params, state, model_inputs(batch))
         ce = np.asarray(ce, np.float64)
         total, count = total + float(ce.sum()), count + int(batch["mask"].sum())
         for b in range(rows) if distances is not None else ():
@@ -312,28 +322,6 @@ def eval_record(step, r):
 
 
 # ----------------------------------------------------------------------------- the run
-def initial_state(config, args, out, stream, documents):
-    """(params, optimizer state, model state, step): fresh, resumed from the checkpoint in --out,
-    or with --init-from's weights. Reads, never writes."""
-
-    def fresh():
-        params = mt.init_params(config, jax.random.PRNGKey(config.seed))
-        return params, make_optimizer(config)[0](params)
-
-    state = mt.init_state(config, config.batch_size)
-    if args.resume:  # the checkpoint has every value: the structure and dtypes are enough
-        return runs.resume(
-            out, *jax.eval_shape(fresh), state, stream, documents, args.data, config.steps
-        )
-    params, opt_state = fresh()
-    if args.init_from:  # fine-tuning continues the schedule and the optimizer, unless --fresh-start
-        params, opt_state, step = runs.init_from(
-            args.init_from, params, opt_state, args.fresh_start
-        )
-        return params, opt_state, state, step
-    return params, opt_state, state, 0
-
-
 def distribute(params, opt_state, state):
     """With several devices (of one process or of several), data parallelism: the batch's rows and
     their memories split over the devices, the params replicated. Returns the three, and how to
@@ -385,174 +373,102 @@ def train(args, given):
         multihost.stop()
 
 
+def fresh_start(config):
+    """New parameters and optimizer state for the run's config and seed."""
+    params = mt.init_params(config, jax.random.PRNGKey(config.seed))
+    return params, make_optimizer(config)[0](params)
+
+
 def train_run(args, given):
-    """Check everything (flags, run directory, data, checkpoints, memory) before the first write,
-    then train to config.steps, saving every --save-every steps and on Ctrl-C, then evaluate. given:
-    the flags argv gave. With several processes each check is agreed (one refusal stops them all),
-    and only process 0 writes."""
-    t_start, main, agree = time.time(), multihost.is_main(), multihost.agree
+    """Train to config.steps from runs.open_run's start, saving every --save-every steps and on
+    Ctrl-C, then evaluate. given: the flags argv gave. Only process 0 writes."""
+    t_start, is_main = time.time(), multihost.is_main()
     with contextlib.ExitStack() as held:  # the run directory's lock
-        out, config, tokenizer = agree(lambda: runs.run_config(args, given))
-        locked = agree(
-            lambda: main and runs.lock_run_dir(out, held)
-        )  # before the checkpoint is read
-
-        def prepare():
-            runs.use_compilation_cache(args.cache_dir)  # before the first compile
-            return data.prepare(args, config.vocab_size, tokenizer)
-
-        prepared = agree(
-            lambda: prepare() if main else None
-        )  # process 0 first: it fills the caches
-        train_docs, valid_docs, distances, tok_path, documents = agree(
-            lambda: prepared or prepare()
-        )
-        stream = data.segment_batches(
-            train_docs, config.batch_size, config.segment_length, config.seed
-        )
-        params, opt_state, state, step = agree(
-            lambda: initial_state(config, args, out, stream, documents)
-        )
-        multihost.check_same(
-            json.dumps(
-                [
-                    out,
-                    dataclasses.asdict(config),
-                    documents,
-                    data.file_hash(tok_path),
-                    step,
-                    {k: v for k, v in vars(args).items() if k not in runs.RESUME_MAY_CHANGE},
-                ]
-            )
-        )
-        if args.init_from and step:  # fine-tuning: --steps more steps after the checkpoint's
-            config = config.replace(steps=step + config.steps)
-        if args.resume and step == config.steps and runs.finished(out, step):
+        run = runs.open_run(args, given, held, fresh_start)  # every check, before any write
+        if run.done:
             print(
-                f"{out} finished at step {step} (eval.json): nothing to do; give --steps to train "
-                "further."
+                f"{run.out} finished at step {run.step} (eval.json): nothing to do; give "
+                "--steps to train further."
             )
             return 0
-
-        def claim():  # a new directory: made and locked now, and still without a run in it
-            if not locked:
-                os.makedirs(out, exist_ok=True)
-                runs.lock_run_dir(out, held)
-            if not args.resume and runs.holds_run(out):
-                raise runs.UsageError(
-                    f"{out} already holds a run, which another train.py started meanwhile; "
-                    f"choose another --out."
-                )
-            runs.drop_partial_files(out)
-            runs.write_run_files(out, args, config, tok_path, step)
-
-        agree(lambda: claim() if main else None)
-
+        config, out, stream, step = run.config, run.out, run.stream, run.step
+        params, opt_state, state, place = distribute(run.params, run.opt_state, run.state)
+        train_step = make_train_step(step_config(config))
+        eval_step = make_forward_step(step_config(config))
+        print(describe(run, params), flush=True)
+        runs.note_unused_pieces(run.tok_path, config.vocab_size)
         ckpt_path = os.path.join(out, "checkpoint.npz")
-        params, opt_state, state, place = distribute(params, opt_state, state)
-        train_step, eval_step = (
-            make_train_step(step_config(config)),
-            make_eval_step(step_config(config)),
-        )
-        processes = f" in {jax.process_count()} processes" if multihost.several() else ""
-        print(
-            f"run {out}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params, "
-            f"{sum(map(len, train_docs)) / 1e6:.2f}M train tokens, {len(train_docs)} train / "
-            f"{len(valid_docs)} "
-            f"valid documents, device {jax.devices()[0].platform} "
-            f"x{jax.device_count()}{processes}, memory "
-            f"{config.memory_size} in layers {list(config.active_memory_layers)}",
-            flush=True,
-        )
-        pieces = data.load_tokenizer(tok_path).get_piece_size()
-        if (
-            pieces < config.vocab_size
-        ):  # SentencePiece stops early when the corpus has no more merges to learn
-            print(
-                f"note: the tokenizer has {pieces} pieces, fewer than the vocabulary size "
-                f"{config.vocab_size}: "
-                f"{config.vocab_size - pieces} rows of the embedding and of the output layer will "
-                "never be used "
-                f"(--vocab-size {pieces} trains without them).",
-                flush=True,
-            )
-        metrics_path = os.path.join(out, "metrics.jsonl") if main else os.devnull
+        tok_hash = data.file_hash(run.tok_path)
+        metrics_path = os.path.join(out, "metrics.jsonl") if is_main else os.devnull
         with runs.interrupt_flag() as stop, open(metrics_path, "a") as log:
             t_log, tokens_since = time.time(), 0
             while step < config.steps:
                 batch = next(stream)
                 mt.check_tokens(batch["tokens"], config.vocab_size)
-                new = train_step(
-                    params,
-                    opt_state,
-                    state,
-                    place({k: batch[k] for k in ("tokens", "targets", "mask", "reset")}),
-                )
-                metrics = multihost.gather(new[3])
-                if not metrics[
-                    "finite"
-                ]:  # a non-finite loss, or weights that overflowed in the update
+                inputs = place(model_inputs(batch))
+                params, opt_state, state, metrics = train_step(params, opt_state, state, inputs)
+                step += 1
+                metrics = multihost.gather(metrics)
+                if not metrics["finite"]:  # a non-finite loss, or weights that overflowed
                     runs.say(
-                        f"error: the loss or the weights became non-finite at step {step + 1}; "
-                        "stopped, the last "
-                        f"checkpoint ({ckpt_path}) is kept."
+                        f"error: the loss or the weights became non-finite at step {step}; "
+                        f"stopped, the last checkpoint ({ckpt_path}) is kept."
                     )
                     return 3
-                (params, opt_state, state), step = new[:3], step + 1
-                stopping = multihost.any_of(
-                    stop["signal"]
-                )  # a Ctrl-C on one process stops them all here
+                stopping = multihost.any_of(stop["signal"])  # a Ctrl-C on one stops them all
                 tokens_since += int(metrics["tokens"])
                 if step % args.log_every == 0 or step == config.steps:
                     log_step(log, step, metrics, config, tokens_since / (time.time() - t_log))
                     t_log, tokens_since = time.time(), 0
                 if args.eval_every and step % args.eval_every == 0 and step < config.steps:
-                    r = full_evaluation(params, config, valid_docs, distances, eval_step)
+                    r = full_evaluation(params, config, run.valid_docs, run.distances, eval_step)
                     print(format_eval(step, r), flush=True)
                     log.write(json.dumps(eval_record(step, r)) + "\n")
                 if step % args.save_every == 0 or step == config.steps or stopping:
-                    whole = multihost.gather(
-                        (params, opt_state, state)
-                    )  # every row, from every process
-                    if main:
+                    whole = multihost.gather((params, opt_state, state))  # every process's rows
+                    if is_main:
                         runs.save_checkpoint(
-                            ckpt_path,
-                            step,
-                            *whole,
-                            stream.position(),
-                            documents,
-                            data.file_hash(tok_path),
+                            ckpt_path, step, *whole, stream.position(), run.documents, tok_hash
                         )
                 if stopping:
                     runs.say(
-                        f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue "
-                        f"with --out {out} "
-                        f"--resume"
+                        f"interrupted at step {step}: checkpoint saved to {ckpt_path}; "
+                        f"continue with --out {out} --resume"
                     )
                     return 130
         try:
-            result = {
-                "step": step,
-                **full_evaluation(params, config, valid_docs, distances, eval_step),
-            }
+            result = full_evaluation(params, config, run.valid_docs, run.distances, eval_step)
         except KeyboardInterrupt:
             runs.say(
-                f"interrupted during the final evaluation; the checkpoint of step {step} is saved: "
-                f"--out {out} "
-                f"--resume evaluates it."
+                f"interrupted during the final evaluation; the checkpoint of step {step} is "
+                f"saved: --out {out} --resume evaluates it."
             )
             return 130
-        if main:
+        result = {"step": step, **result}
+        if is_main:
             with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(eval_record(step, result)) + "\n")
             runs.atomic_write(os.path.join(out, "eval.json"), runs.json_text(result))
         print(
             f"{format_eval(step, result)} | {result['tokens']} tokens | "
-            f"{time.time() - t_start:.0f} s total | "
-            f"{out}/eval.json",
+            f"{time.time() - t_start:.0f} s total | {out}/eval.json",
             flush=True,
         )
         return 0
+
+
+def describe(run, params):
+    """The run's first line: its size, data, devices and memory."""
+    c = run.config
+    processes = f" in {jax.process_count()} processes" if multihost.several() else ""
+    size = sum(x.size for x in jax.tree.leaves(params)) / 1e6
+    tokens = sum(map(len, run.train_docs)) / 1e6
+    return (
+        f"run {run.out}: {size:.2f}M params, {tokens:.2f}M train tokens, "
+        f"{len(run.train_docs)} train / {len(run.valid_docs)} valid documents, device "
+        f"{jax.devices()[0].platform} x{jax.device_count()}{processes}, memory "
+        f"{c.memory_size} in layers {list(c.active_memory_layers)}"
+    )
 
 
 def main(argv=None):
