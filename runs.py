@@ -284,6 +284,18 @@ def read_run_config(run_dir):
         )
     ):
         raise UsageError(f"{path} is not a valid run config.")
+    # The values as their flags take them: the file's copy of a flag has the flag's range.
+    for name, flag_type in (
+        ("valid_fraction", fraction),
+        ("eval_docs", positive_int),
+        ("eval_tokens", positive_int),
+    ):
+        try:
+            flag_type(str(args[name]))
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(
+                f"{path}: its args.{name} {e}, as --{name.replace('_', '-')} must be."
+            ) from None
     known = {f.name: f for f in dataclasses.fields(mt.Config)}
     for name in fields:
         if name not in known:
@@ -472,7 +484,8 @@ def load_checkpoint(path):
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files}
         meta = json.loads(bytes(arrays.pop("__meta__")).decode())
-        if not isinstance(meta.get("step"), int):
+        step = meta.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError
     except PermissionError:
         raise UsageError(f"cannot read the checkpoint {path}: permission denied.") from None
@@ -500,8 +513,32 @@ def restore_tree(template, arrays, prefix, path, strict=True):
                 f"checkpoint {path} has {key} of shape {arrays[key].shape}, but this config needs "
                 f"{x.shape}."
             )
+        if not same_kind(arrays[key].dtype, np.dtype(x.dtype)):
+            raise UsageError(
+                f"checkpoint {path} has {key} of dtype {arrays[key].dtype}, but this config needs "
+                f"{np.dtype(x.dtype)}: it is corrupt or was not written by train.py."
+            )
+        if prefix == "params" and not np.all(np.isfinite(arrays[key])):
+            raise UsageError(
+                f"checkpoint {path} has non-finite values in {key}: its weights cannot be used."
+            )
         leaves.append(jnp.asarray(arrays[key], x.dtype))
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def same_kind(stored, wanted):
+    """Whether a stored array can be read as `wanted`: a float as any float (bfloat16 is stored
+    as 2-byte raw values), an integer as an integer, a bool as a bool; never a string, an
+    object or a complex number."""
+    if wanted.kind == "f" or wanted == jnp.bfloat16:
+        return (
+            stored.kind == "f"
+            or stored == jnp.bfloat16
+            or (stored.kind == "V" and stored.itemsize == 2)
+        )
+    if wanted.kind in "iu":
+        return stored.kind in "iu"
+    return stored.kind == wanted.kind
 
 
 def check_same_model(params, arrays, path):

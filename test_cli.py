@@ -220,7 +220,32 @@ def _remove(name):
     return lambda run: (run / name).unlink()
 
 
+def _checkpoint_edit(edit):
+    """A checkpoint of the right form with a wrong value: edit(arrays, meta) changes them."""
+
+    def fault(run):
+        with np.load(run / "checkpoint.npz") as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(bytes(arrays.pop("__meta__")).decode())
+        edit(arrays, meta)
+        blob = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+        with open(run / "checkpoint.npz", "wb") as f:
+            np.savez(f, __meta__=blob, **arrays)
+
+    return fault
+
+
+EMBED = "params['embed']"
+CHECKPOINT_EDITS = [  # the right shapes, the wrong values
+    _checkpoint_edit(lambda a, m: a.update({EMBED: a[EMBED].astype(str)})),
+    _checkpoint_edit(lambda a, m: a.update({EMBED: a[EMBED].astype(np.complex64) * 1j})),
+    _checkpoint_edit(lambda a, m: a.update({EMBED: np.full_like(a[EMBED], np.nan)})),
+    _checkpoint_edit(lambda a, m: m.update(step=-5)),
+]
 RUN_ARG_EDITS = [
+    ("valid_fraction", 5.0),
+    ("valid_fraction", -0.5),
+    ("eval_docs", 0),
     ("data", None),
     ("data", 3),
     ("valid_fraction", "x"),
@@ -296,7 +321,8 @@ def run_file_faults():
             )
         )
     )
-    return st.sampled_from(fixed + args_edits + config_edits) | truncations | removed | retyped
+    faults = fixed + args_edits + config_edits + CHECKPOINT_EDITS
+    return st.sampled_from(faults) | truncations | removed | retyped
 
 
 def evaluate_faults(command):
@@ -1439,3 +1465,38 @@ def test_a_checkpoint_is_created_like_any_other_file_and_an_unreadable_one_is_na
     )
     with pytest.raises(runs.UsageError, match="permission denied"):
         runs.load_checkpoint(str(tmp_path / "c.npz"))
+
+
+@pytest.mark.parametrize(
+    "fault, want",
+    [
+        (CHECKPOINT_EDITS[0], "of dtype <U"),
+        (CHECKPOINT_EDITS[1], "of dtype complex64"),
+        (CHECKPOINT_EDITS[2], "non-finite values in params['embed']"),
+        (CHECKPOINT_EDITS[3], "is truncated or corrupt"),
+        (_json_edit("config.json", lambda o: o["args"].update(valid_fraction=5.0)), "between 0"),
+        (_json_edit("config.json", lambda o: o["args"].update(valid_fraction=-0.5)), "between 0"),
+    ],
+    ids=["string", "complex", "nan", "step -5", "fraction 5", "fraction -0.5"],
+)
+def test_a_run_file_of_the_right_form_with_a_wrong_value_is_refused_by_every_reader(
+    tmp_path, finished_run, cache, capsys, fault, want
+):
+    """A checkpoint array of the right shape but another dtype (a string, a complex number),
+    weights that are NaN, a negative step, a flag's copy in config.json out of the flag's range:
+    evaluate.py, sample.py and train.py --resume each refuse it in one sentence with exit code 2,
+    and no file changes (a resume from step -5 once cut metrics.jsonl to nothing)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    fault(run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    commands = [
+        (evaluate.main, ["perplexity", str(run), "--eval-tokens", "64"]),
+        (sample.main, [str(run), "--prompt", "a", "--tokens", "2"]),
+        (train.main, FAST + ["--out", str(run), "--resume", "--steps", "5", "--cache-dir", cache]),
+    ]
+    for main, argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert want in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
