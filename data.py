@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import random
 import re
 import stat
@@ -773,6 +774,9 @@ def get_tokenizer(docs, vocab_size, cache_dir, key, seed=0):
             return load_tokenizer(path), path
         except DataError:
             print(f"note: the cached tokenizer {path} cannot be read; training it again.")
+    elif os.path.lexists(path):  # a directory or a link in its place: the cache's own name
+        print(f"note: the cached tokenizer {path} is not a file; training it again.")
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
     return train_tokenizer(docs, vocab_size, path, seed), path
 
 
@@ -795,6 +799,14 @@ def tokenize(docs, sp, cache_path=None):
         try:
             with np.load(cache_path) as z:
                 tokens, refs, offsets = z["tokens"], z["refs"], z["offsets"]
+            # Values as tokenize writes them: ids of this tokenizer, offsets in order.
+            in_order = offsets[0] == 0 and offsets[-1] == len(tokens) == len(refs)
+            in_order = in_order and np.all(np.diff(offsets) >= 0)
+            in_range = tokens.dtype.kind in "iu" and (
+                not len(tokens) or 0 <= tokens.min() <= tokens.max() < sp.get_piece_size()
+            )
+            if not (in_order and in_range):
+                raise ValueError(f"{cache_path} holds values tokenize never writes")
             return (
                 [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
                 [refs[a:b] for a, b in zip(offsets[:-1], offsets[1:])],

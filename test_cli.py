@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -34,7 +35,8 @@ import runs
 import sample
 import train
 from test_evaluate import table_of_two_seeds  # noqa: F401  (a fixture that trains the table's runs)
-from test_train import FAST, TINY_FAST
+from conftest import child_env
+from test_train import FAST, HERE, TINY_FAST
 
 SCRIPTS = {
     "train": train.main,
@@ -1500,3 +1502,67 @@ def test_a_run_file_of_the_right_form_with_a_wrong_value_is_refused_by_every_rea
         err = capsys.readouterr().err
         assert want in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def _cache_edit(pattern, edit):
+    def fault(cache_dir):
+        (path,) = [p for p in cache_dir.glob(pattern)]
+        edit(path)
+
+    return fault
+
+
+def _tokens_edit(change):
+    def edit(path):
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        change(arrays)
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+
+    return edit
+
+
+def _directory_in_place(path):
+    path.unlink()
+    (path / "inside").mkdir(parents=True)
+
+
+@pytest.mark.parametrize(
+    "pattern, edit",
+    [
+        ("tokens-*-train.npz", _tokens_edit(lambda a: a["tokens"].__setitem__(0, 10**6))),
+        ("tokens-*-train.npz", _tokens_edit(lambda a: a.update(offsets=a["offsets"][::-1]))),
+        ("tokenizer-*.model", _directory_in_place),
+    ],
+    ids=["token id 10^6", "offsets reversed", "tokenizer a directory"],
+)
+def test_a_cache_file_of_the_right_form_with_wrong_values_is_rebuilt(tmp_path, pattern, edit):
+    """A cached token file that is a valid npz with an id past the vocabulary, or its offsets
+    reversed, and a cached tokenizer that a directory has replaced: the run says the cache
+    cannot be read, rebuilds it, and trains (it once ended in a traceback after writing its
+    run files, or was refused naming a temporary file)."""
+    cache = tmp_path / "cache"
+    argv = FAST + ["--steps", "1", "--eval-every", "0", "--cache-dir", str(cache)]
+    assert (
+        subprocess.run(
+            [sys.executable, "train.py", *argv, "--out", str(tmp_path / "a")],
+            cwd=HERE,
+            capture_output=True,
+            env=child_env(),
+        ).returncode
+        == 0
+    )
+    edit(next(cache.glob(pattern)))
+    proc = subprocess.run(
+        [sys.executable, "train.py", *argv, "--out", str(tmp_path / "b")],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "note: the " in proc.stdout and (
+        "cannot be read" in proc.stdout or "not a file" in proc.stdout
+    ), proc.stdout
+    assert data.load_tokenizer(str(next(cache.glob("tokenizer-*.model"))))
