@@ -57,8 +57,12 @@ def test_malloc_keeps_large_blocks_in_a_fresh_process_unless_turned_off():
 
 
 def test_startup_comes_before_jax_in_every_script():
-    """The settings act on the allocations that follow them: each script imports startup first."""
-    for name in ("train.py", "evaluate.py", "sample.py", "benchmark.py", "conftest.py"):
+    """The settings act on the allocations that follow them: each script imports startup first
+    (and the test session before JAX)."""
+    for name in ("train.py", "evaluate.py", "sample.py", "benchmark.py"):
         with open(os.path.join(HERE, name)) as f:
             imports = [line.split()[1] for line in f if line.startswith(("import ", "from "))]
-        assert imports.index("startup") < imports.index("jax"), name
+        assert imports[0] == "startup", name
+    with open(os.path.join(HERE, "conftest.py")) as f:
+        imports = [line.split()[1] for line in f if line.startswith(("import ", "from "))]
+    assert imports.index("startup") < imports.index("jax")
