@@ -19,7 +19,7 @@ def keep_malloc_blocks():
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
+    settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: never trim
     return all([libc.mallopt(param, value) == 1 for param, value in settings])
 
 
