@@ -44,14 +44,22 @@ class Document(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- sources
-def _read_bytes(path, stats):
+CORPUS_FILE_LIMIT = 2**31  # bytes read of one corpus file: a file that grows without end stops
+
+
+def _read_bytes(path, stats, limit=CORPUS_FILE_LIMIT):
     """A regular file's bytes, or None (counted in stats as unreadable) if it cannot be read (no
     permission, a symlink loop) or is not a regular file: a named pipe would block the read
-    until something wrote to it, and a device need not end."""
+    until something wrote to it, and a device need not end. A file of more than `limit` bytes
+    (one still being written, say) is skipped and counted as too large."""
     try:
         with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
             if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return f.read()
+                raw = f.read(limit + 1)
+                if len(raw) <= limit:
+                    return raw
+                stats["too_large"] += 1
+                return None
     except OSError:
         pass
     stats["unreadable"] += 1
@@ -538,7 +546,7 @@ def reference_distances(tokens, is_reference):
 
 
 def _new_stats():
-    return {"binary": 0, "not_utf8": 0, "empty": 0, "bad_json": 0, "unreadable": 0}
+    return {"binary": 0, "not_utf8": 0, "empty": 0, "bad_json": 0, "unreadable": 0, "too_large": 0}
 
 
 def detect_format(path):
@@ -712,6 +720,9 @@ def _write_cache(path, write):
         with open(tmp, "xb") as f:
             write(f)
         os.replace(tmp, path)
+    except OSError as e:  # a full disk, say: the error names the cache file
+        e.filename = path
+        raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -1001,44 +1012,56 @@ def parse_suffixes(text):
     return suffixes
 
 
-def prepare(args, vocab_size, tokenizer_path=None):
-    """A run's data, from its flags (data, data_format, suffixes, valid_fraction, min_doc_tokens,
-    eval_docs, eval_tokens, cache_dir): (train tokens, validation tokens cut to eval_docs and
+class DataOptions(NamedTuple):
+    """What chooses a run's data and its validation (train.py's flags of the same names)."""
+
+    data: str
+    data_format: str
+    suffixes: str  # comma-separated file name endings, or None
+    valid_fraction: float
+    min_doc_tokens: int
+    eval_docs: int
+    eval_tokens: int
+    cache_dir: str
+
+
+def prepare(options, vocab_size, tokenizer_path=None):
+    """A run's data, from its DataOptions: (train tokens, validation tokens cut to eval_docs and
     eval_tokens, their reference distances or None, the tokenizer's path, the fingerprints of the
     training and the whole validation documents). Writes only to the cache, whose every file is
     named by a hash of what determines its content."""
-    os.makedirs(args.cache_dir, exist_ok=True)
+    os.makedirs(options.cache_dir, exist_ok=True)
     docs = load_documents(
-        args.data, args.data_format, seed=0, suffixes=parse_suffixes(args.suffixes)
+        options.data, options.data_format, seed=0, suffixes=parse_suffixes(options.suffixes)
     )
-    train_docs, valid_docs = split_documents(docs, args.valid_fraction, seed=0)
+    train_docs, valid_docs = split_documents(docs, options.valid_fraction, seed=0)
     # the documents as read, whatever the path, format or suffixes that gave them
     key = hashlib.sha256(
-        f"{corpus_key(docs)}|valid_fraction {args.valid_fraction!r}".encode()
+        f"{corpus_key(docs)}|valid_fraction {options.valid_fraction!r}".encode()
     ).hexdigest()[:16]
     if tokenizer_path:
         sp = load_tokenizer(tokenizer_path)
     else:
-        sp, tokenizer_path = get_tokenizer(train_docs, vocab_size, args.cache_dir, key)
+        sp, tokenizer_path = get_tokenizer(train_docs, vocab_size, options.cache_dir, key)
     if sp.get_piece_size() > vocab_size:
         raise DataError(
             f"the tokenizer has {sp.get_piece_size()} pieces but vocab_size is {vocab_size}."
         )
     cache = lambda part: os.path.join(
-        args.cache_dir, f"tokens-{key}-{file_hash(tokenizer_path)}-{part}.npz"
+        options.cache_dir, f"tokens-{key}-{file_hash(tokenizer_path)}-{part}.npz"
     )
     train, _ = tokenize(train_docs, sp, cache("train"))
     valid, refs = tokenize(valid_docs, sp, cache("valid"))
-    if args.min_doc_tokens:
-        train = [t for t in train if len(t) >= args.min_doc_tokens]
-        keep = [i for i, t in enumerate(valid) if len(t) >= args.min_doc_tokens]
+    if options.min_doc_tokens:
+        train = [t for t in train if len(t) >= options.min_doc_tokens]
+        keep = [i for i, t in enumerate(valid) if len(t) >= options.min_doc_tokens]
         valid, refs = [valid[i] for i in keep], [refs[i] for i in keep]
     if not train or not valid:
         raise DataError(
-            f"no document of at least {max(args.min_doc_tokens, 2)} tokens left after the split."
+            f"no document of at least {max(options.min_doc_tokens, 2)} tokens left after the split."
         )
     documents = {"train": fingerprint(train), "validation": fingerprint(valid)}
-    valid = [t[: args.eval_tokens + 1] for t in valid[: args.eval_docs]]
+    valid = [t[: options.eval_tokens + 1] for t in valid[: options.eval_docs]]
     refs = [r[: len(t)] for t, r in zip(valid, refs)]
     # Synthetic data: how far back each reference's value last appeared.
     distances = (

@@ -1300,6 +1300,14 @@ def run_main(parser, command, argv):
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code
+    # XLA reads XLA_FLAGS when it starts, and a word that is no flag ends the process there.
+    words = os.environ.get("XLA_FLAGS", "").split()
+    bad = [w for w in words if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", w)]
+    if bad:
+        say(
+            f"error: XLA_FLAGS holds {bad[0]!r}, which is not an XLA flag (--name or --name=value)."
+        )
+        return 2
     return run_command(command, args)
 
 
@@ -1372,7 +1380,7 @@ def open_run(args, given, held, fresh):
 
     def prepare():
         use_compilation_cache(args.cache_dir)  # before the first compile
-        return data.prepare(args, config.vocab_size, tokenizer)
+        return data.prepare(data_options(args), config.vocab_size, tokenizer)
 
     prepared = agree(lambda: prepare() if is_main else None)  # process 0 fills the caches
     train_docs, valid_docs, distances, tok_path, documents = agree(lambda: prepared or prepare())
@@ -1415,6 +1423,26 @@ def open_run(args, given, held, fresh):
         step,
         done,
     )
+
+
+def data_options(args):
+    """The data flags of a parsed command line as data.prepare takes them."""
+    return data.DataOptions(**{name: getattr(args, name) for name in data.DataOptions._fields})
+
+
+def save_first_or_undo(out, start_step, path, *checkpoint):
+    """save_checkpoint; where a new run's first checkpoint cannot be written (a full disk), the
+    files the run wrote go too, so that the directory is as it was, and the error says why."""
+    had = os.path.isfile(path)
+    try:
+        save_checkpoint(path, *checkpoint)
+    except OSError as e:
+        undo = not had and start_step == 0
+        for name in RUN_FILES if undo else ():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out, name))
+        end = "; the run's files are removed." if undo else "; the last checkpoint is kept."
+        raise UsageError(f"cannot write the checkpoint {path}: {e.strerror or e}{end}") from None
 
 
 def initial_state(config, args, out, stream, documents, fresh):

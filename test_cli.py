@@ -756,7 +756,9 @@ def test_the_token_cache_follows_the_validation_split(tmp_path):
         args = runs.train_parser().parse_args(
             FAST + ["--valid-fraction", fraction, "--cache-dir", str(cache)]
         )
-        tokens, valid, _, _, _ = data.prepare(args, runs.config_from_args(args).vocab_size)
+        tokens, valid, _, _, _ = data.prepare(
+            runs.data_options(args), runs.config_from_args(args).vocab_size
+        )
         return tokens, valid
 
     shared = tmp_path / "shared"
@@ -786,7 +788,9 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_noted(finished_run, tmp_path)
     args = runs.train_parser().parse_args(
         FAST + ["--cache-dir", str(tmp_path), "--vocab-size", str(n)]
     )
-    smaller = data.load_tokenizer(data.prepare(args, runs.config_from_args(args).vocab_size)[3])
+    smaller = data.load_tokenizer(
+        data.prepare(runs.data_options(args), runs.config_from_args(args).vocab_size)[3]
+    )
     assert [smaller.id_to_piece(i) for i in range(smaller.get_piece_size())] == [
         sp.id_to_piece(i) for i in range(n)
     ]
@@ -1566,3 +1570,39 @@ def test_a_cache_file_of_the_right_form_with_wrong_values_is_rebuilt(tmp_path, p
         "cannot be read" in proc.stdout or "not a file" in proc.stdout
     ), proc.stdout
     assert data.load_tokenizer(str(next(cache.glob("tokenizer-*.model"))))
+
+
+def test_xla_flags_that_hold_no_flag_are_refused_in_one_sentence(tmp_path):
+    """XLA_FLAGS=garbage once ended every script with exit 1 and XLA's own log line."""
+    env = child_env(XLA_FLAGS="garbage --xla_cpu_use_fusion_emitters=false")
+    argv = [sys.executable, "train.py", *FAST, "--steps", "1", "--out", str(tmp_path / "run")]
+    proc = subprocess.run(argv, cwd=HERE, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "XLA_FLAGS holds 'garbage'" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_first_checkpoint_that_cannot_be_written_leaves_no_run_behind(
+    tmp_path, monkeypatch, capsys
+):
+    """On a full disk the run failed at its first checkpoint and left config.json,
+    metrics.jsonl and tokenizer.model, which the next --resume refused; now one sentence, exit
+    code 2, and the directory as it was. A cache file that cannot be written is named."""
+    import errno
+
+    def full(path, *_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(runs, "save_checkpoint", full)
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = FAST + ["--steps", "2", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the checkpoint" in err and "No space left" in err and err.count("\n") == 1
+    assert list(out.iterdir()) == []
+    monkeypatch.setattr(data.np, "savez", lambda f, **_: full(None))
+    assert (
+        train.main(FAST + ["--out", str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c2")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(tmp_path / "c2") in err, err

@@ -743,3 +743,15 @@ def test_fuzzed_corpora_either_load_and_run_through_the_model_or_fail_clearly(
             FUZZ_PARAMS, state, batch["tokens"], batch["reset"], FUZZ, batch["mask"]
         )
         assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_a_corpus_file_past_the_size_bound_is_skipped_and_counted(tmp_path, monkeypatch):
+    """A corpus file that grows without end was read until a signal stopped it: a file is read
+    up to a bound (here 1 KiB), and one past it is skipped and counted, as prompt files are."""
+    monkeypatch.setattr(data, "CORPUS_FILE_LIMIT", 1024)
+    monkeypatch.setattr(data._read_bytes, "__defaults__", (1024,))
+    (tmp_path / "small.txt").write_text("a small document\n" * 10)
+    (tmp_path / "large.txt").write_text("x" * 2000)
+    stats = data._new_stats()
+    docs = data.read_text_dir(str(tmp_path), stats)
+    assert [d.text for d in docs] == ["a small document\n" * 10] and stats["too_large"] == 1

@@ -426,10 +426,10 @@ def train_run(args, given):
                     log.write(json.dumps(eval_record(step, r)) + "\n")
                 if step % args.save_every == 0 or step == config.steps or stopping:
                     whole = multihost.gather((params, opt_state, state))  # every process's rows
-                    if is_main:
-                        runs.save_checkpoint(
-                            ckpt_path, step, *whole, stream.position(), run.documents, tok_hash
-                        )
+                    if is_main:  # (the first checkpoint that cannot be written undoes the run)
+                        position = stream.position()
+                        save = (step, *whole, position, run.documents, tok_hash)
+                        runs.save_first_or_undo(out, run.step, ckpt_path, *save)
                 if stopping:
                     runs.say(
                         f"interrupted at step {step}: checkpoint saved to {ckpt_path}; "
