@@ -37,10 +37,8 @@ import jax  # noqa: E402  (after the environment above)
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first
 
 # pytest.ini runs the suite in two processes (pytest-xdist, --dist loadgroup): one takes the tests
-# whose
-# work is a whole command in a process of its own (these fixtures), the other every other test, so
-# that
-# each program the in-process tests share is compiled once.
+# whose work is a whole command in a process of its own (these fixtures), the other every other
+# test, so that each program the in-process tests share is compiled once.
 COMMAND_FIXTURES = {
     "smoke_run",
     "three_runs_with_a_cache_dir",

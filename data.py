@@ -979,8 +979,8 @@ class SegmentBatches:
                 for r in rows
             )
         )
-        # The epoch's order as the rows left it (a position written before it was kept: the
-        # seeded order).
+        # The epoch's order as the rows left it (a position written before it was kept: the seeded
+        # order).
         order = pos.get("order", [int(d) for d in self._epoch_order(epoch)])
         fits = fits and isinstance(order, list) and all(map(is_count, order))
         fits = fits and sorted(order) == list(range(len(self.docs)))

@@ -367,8 +367,7 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     return vals, (rows - 1 - code) * L + pos
 
 
-# ----------------------------------------------------------------------------- attention over the
-# retrieved pairs
+# --------------------------------------------------------------- attention over the retrieved pairs
 def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config):
     """mt.attend_to_retrieved; on a GPU (for K <= 64, whose program grows with K) as K terms."""
     if backend() == "gpu" and slots.shape[-1] <= 64:

@@ -1001,8 +1001,7 @@ def config_from_args(args, base=None, base_name=None):
         raise UsageError(str(e)) from None
 
 
-# ----------------------------------------------------------------------------- resume and fine-tune
-# checks
+# ---------------------------------------------------------------------- resume and fine-tune checks
 def check_run_data_here(source):
     """A run keeps its --data as typed: a relative path is relative to where the run started."""
     if not (

@@ -747,8 +747,7 @@ def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_fi
     shutil.rmtree(ws)
 
 
-# ----------------------------------------------------------------------------- data mixed up or
-# lost
+# ---------------------------------------------------------------------------- data mixed up or lost
 def test_the_token_cache_follows_the_validation_split(tmp_path):
     """Issue 14.1: a cache built with one --valid-fraction is not reused for another."""
 
@@ -972,8 +971,7 @@ def test_a_run_that_another_train_is_writing_is_refused(
     assert "another train.py started meanwhile" in err and os.listdir(raced) == ["config.json"]
 
 
-# ----------------------------------------------------------------------------- one sentence, not a
-# traceback
+# -------------------------------------------------------------------- one sentence, not a traceback
 def test_compare_with_a_memory_size_of_zero_and_a_memory_model(finished_run, tmp_path, capsys):
     """Issue 14.5: each memory size gets its own parameters (0 has no gates)."""
     for sizes in ("0,64", "64,0"):

@@ -274,8 +274,7 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_plain_one_in_float
         assert err < 0.03, (name, err)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
 
 
-# ----------------------------------------------------------------------------- attention over the
-# retrieved pairs
+# --------------------------------------------------------------- attention over the retrieved pairs
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_attention_over_retrieved_pairs_in_terms_equals_the_plain_one_with_its_gradients(dtype):
     """K terms, each a product with one gathered row of the memory (a GPU's form), against the

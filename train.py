@@ -172,23 +172,19 @@ def make_train_step(config, ops=kernels.FAST):
             (total, (state, n)), grads = grad_fn(params, state, batch)
         else:
             # Micro-batch a takes the a-th A-th of every device's rows, so that no row, and no
-            # memory,
-            # leaves its device: [B, ...] -> [D, A, B/(D A), ...] -> [A, B/A, ...] (on one device, a
-            # reshape).
-            B, D = (
-                config.batch_size,
-                jax.device_count(),
-            )  # (sizes written out: a state of length 0 has no -1)
-            split = lambda x: (
-                x.reshape((D, A, B // (D * A)) + x.shape[1:])
-                .swapaxes(0, 1)
-                .reshape((A, B // A) + x.shape[1:])
-            )
-            merge = lambda x: (
-                x.reshape((A, D, B // (D * A)) + x.shape[2:])
-                .swapaxes(0, 1)
-                .reshape((B,) + x.shape[2:])
-            )
+            # memory, leaves its device: [B, ...] -> [devices, A, B/(devices A), ...] -> [A, B/A,
+            # ...] (on one device, a reshape). The sizes are written out: a state of length 0 has
+            # no -1 to infer.
+            B, devices = config.batch_size, jax.device_count()
+            rows = B // (devices * A)  # of one device in one micro-batch
+
+            def split(x):  # [B, ...] -> [A, B/A, ...]
+                x = x.reshape((devices, A, rows) + x.shape[1:]).swapaxes(0, 1)
+                return x.reshape((A, B // A) + x.shape[3:])
+
+            def merge(x):  # [A, B/A, ...] -> [B, ...]
+                x = x.reshape((A, devices, rows) + x.shape[2:]).swapaxes(0, 1)
+                return x.reshape((B,) + x.shape[3:])
 
             def micro(acc, xs):
                 (l, (s, n)), g = grad_fn(params, xs[0], xs[1])
