@@ -809,8 +809,8 @@ def cmd_table(args):
         )
     if args.seeds > 1:
         print(
-            f"ppl and memory off: mean ± standard deviation over {args.seeds} seeds (init and data "
-            "order)"
+            f"ppl and memory off: mean ± standard deviation over {args.seeds} seeds (init and "
+            "data order)"
         )
     print(
         f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last "

@@ -124,7 +124,8 @@ def small_tokenizers(tmp_path_factory):
 
 PARTS = st.lists(
     st.one_of(
-        st.sampled_from(["é", "€", "中", "😀", "cat ", " sat", "\n", " "]), st.integers(0, 299)
+        st.sampled_from(["é", "€", "中", "😀", "cat ", " sat", "\n", " "]),
+        st.integers(0, 299),
     ),
     max_size=16,
 )
