@@ -994,6 +994,45 @@ class SegmentBatches:
         return self
 
 
+# ------------------------------------------------------------ where a token's context was last seen
+def context_distance(doc, n=3):
+    """For each target doc[i], i >= 1: how many tokens back its context (the n tokens ending
+    at it) last occurred in the document, 0 if never. A context last seen beyond the local
+    window but within the memory is what only the memory can help to predict."""
+    last, out = {}, np.zeros(len(doc), np.int64)
+    for i in range(n - 1, len(doc)):
+        key = tuple(int(t) for t in doc[i - n + 1 : i + 1])
+        out[i] = i - last[key] if key in last else 0
+        last[key] = i
+    return out[1:]
+
+
+def reach(distance, window, memory_size):
+    """Where a context last seen `distance` tokens back lies: new, in the window (local
+    attention and XL cache), in the memory, or beyond it."""
+    if distance == 0:
+        return "new"
+    return (
+        "window"
+        if distance <= window
+        else "memory"
+        if distance <= window + memory_size
+        else "beyond"
+    )
+
+
+REPEAT_BANDS = ("near_repeat", "far_repeat", "new")  # what evaluation reports, by reach
+
+
+def repeat_bands(doc, window, memory_size, n=3):
+    """The band of each target doc[i], i >= 1, by where its context (the n = 3 tokens ending at
+    it: a 3-gram of BPE pieces rarely recurs by chance, a single piece everywhere) last occurred
+    in the document: near_repeat within the local window (T + the XL cache), far_repeat beyond it
+    but within the memory (what only the memory can reach), new never, beyond farther."""
+    names = {"window": "near_repeat", "memory": "far_repeat", "new": "new", "beyond": "beyond"}
+    return np.array([names[reach(int(d), window, memory_size)] for d in context_distance(doc, n)])
+
+
 def segment_batches(docs, batch_size, segment_length, seed=0):
     """The core of the pipeline: an endless iterator of batches (see SegmentBatches)."""
     return SegmentBatches(docs, batch_size, segment_length, seed)

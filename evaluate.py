@@ -211,32 +211,6 @@ def token_kind(sp, token):
     return "identifier" if re.fullmatch(r"\w+", text) else "other"
 
 
-def context_distance(doc, n=3):
-    """For each target doc[i], i >= 1: how many tokens back its context (the n tokens ending
-    at it) last occurred in the document, 0 if never. A context last seen beyond the local
-    window but within the memory is what only the memory can help to predict."""
-    last, out = {}, np.zeros(len(doc), np.int64)
-    for i in range(n - 1, len(doc)):
-        key = tuple(int(t) for t in doc[i - n + 1 : i + 1])
-        out[i] = i - last[key] if key in last else 0
-        last[key] = i
-    return out[1:]
-
-
-def reach(distance, window, memory_size):
-    """Where a context last seen `distance` tokens back lies: new, in the window (local
-    attention and XL cache), in the memory, or beyond it."""
-    if distance == 0:
-        return "new"
-    return (
-        "window"
-        if distance <= window
-        else "memory"
-        if distance <= window + memory_size
-        else "beyond"
-    )
-
-
 def cmd_compare(args):
     try:
         a, b = (int(x) for x in args.memory_sizes.split(","))
@@ -258,7 +232,7 @@ def cmd_compare(args):
     delta = ce_a - ce_b  # Sec. 4.6: positive = the memory of size B helped
     kinds = [token_kind(sp, t) for t in doc[1:]]
     window = config_b.segment_length + config_b.cache_length
-    reaches = [reach(int(d), window, max(a, b)) for d in context_distance(doc)]
+    reaches = [data.reach(int(d), window, max(a, b)) for d in data.context_distance(doc)]
     table = io.StringIO(newline="")
     w = csv.writer(table)
     w.writerow(
@@ -756,6 +730,7 @@ def cmd_table(args):
                     "run": out,
                     "perplexity": ev["perplexity"],
                     "perplexity_memory_off": ev.get("perplexity_memory_off"),
+                    "far_repeat_loss": ev.get("far_repeat_loss"),
                     "tokens": ev["tokens"],
                 }
             )
@@ -768,11 +743,12 @@ def cmd_table(args):
             "run": per_seed[0]["run"],
             "seeds": per_seed,
         }
-        for key in ("perplexity", "perplexity_memory_off"):  # mean and sample std over the seeds
+        for key in ("perplexity", "perplexity_memory_off", "far_repeat_loss"):  # mean, sample std
             values = [r[key] for r in per_seed]
-            row[key] = None if values[0] is None else float(np.mean(values))
+            unknown = None in values  # (a row without memory has no far-repeat band of its own)
+            row[key] = None if unknown else float(np.mean(values))
             row[f"{key}_std"] = (
-                None if values[0] is None or len(values) < 2 else float(np.std(values, ddof=1))
+                None if unknown or len(values) < 2 else float(np.std(values, ddof=1))
             )
         rows.append(row)
     # The ceiling: the share of validation tokens whose 3-token context last occurred beyond
@@ -781,11 +757,11 @@ def cmd_table(args):
     config, run_args = saved["config"], saved["args"]
     sp = data.load_tokenizer(os.path.join(rows[0]["run"], "tokenizer.model"))
     docs, _ = validation_docs(argparse.Namespace(data=None, data_format=None), run_args, sp, config)
-    distances = np.concatenate([context_distance(doc) for doc in docs])
+    distances = np.concatenate([data.context_distance(doc) for doc in docs])
     for r in rows:
         window = T + (T if r["xl_cache"] else 0)  # the segment and its XL cache, as in compare
         r["ceiling"] = float(
-            np.mean([reach(int(d), window, r["memory_size"]) == "memory" for d in distances])
+            np.mean([data.reach(int(d), window, r["memory_size"]) == "memory" for d in distances])
         )
     spread = lambda r, key: (
         "-"
@@ -797,15 +773,14 @@ def cmd_table(args):
     width = 9 if args.seeds == 1 else 15
     print(
         f"\n{'model':<18} {'context':>7} {'memory':>7} {'XL':>5} {'ppl':>{width}} "
-        f"{'memory off':>{width}} "
-        f"{'ceiling':>8}"
+        f"{'memory off':>{width}} {'far-repeat':>{width}} {'ceiling':>8}"
     )
     for r in rows:
         print(
             f"{r['name']:<18} {T:>7} {r['memory_size'] or 'None':>7} "
             f"{T if r['xl_cache'] else 'None':>5} "
             f"{spread(r, 'perplexity'):>{width}} {spread(r, 'perplexity_memory_off'):>{width}} "
-            f"{r['ceiling']:>8.2%}"
+            f"{spread(r, 'far_repeat_loss'):>{width}} {r['ceiling']:>8.2%}"
         )
     if args.seeds > 1:
         print(

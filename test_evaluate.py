@@ -15,6 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import data
 import evaluate
@@ -394,8 +395,13 @@ def test_table_trains_the_paper_rows_and_writes_table_json(table_of_two_seeds, c
         ]
         assert row["perplexity_std"] is None and row["perplexity_memory_off_std"] is None
         assert row["perplexity_memory_off"] == ev.get("perplexity_memory_off")
-        assert {k: v for k, v in row.items() if "perplexity" not in k and k != "seeds"} == {
-            k: v for k, v in two.items() if "perplexity" not in k and k != "seeds"
+        assert (
+            row["far_repeat_loss"] == ev.get("far_repeat_loss")
+            and row["far_repeat_loss_std"] is None
+        )
+        per_seed = ("perplexity", "far_repeat")  # the means over seeds: one seed's here
+        assert {k: v for k, v in row.items() if not k.startswith(per_seed) and k != "seeds"} == {
+            k: v for k, v in two.items() if not k.startswith(per_seed) and k != "seeds"
         }
     # Without --init-gate-bias the memory row's run is the preset's gate: these runs are not it.
     default_gate = one[: one.index("--init-gate-bias")] + one[one.index("--init-gate-bias") + 2 :]
@@ -778,7 +784,7 @@ def test_token_kinds_and_context_reach_against_explicit_definitions():
     ]
     rng = np.random.default_rng(0)
     doc = rng.integers(0, 3, 200)
-    got = evaluate.context_distance(doc)
+    got = data.context_distance(doc)
     for i in range(1, len(doc)):  # the nearest earlier j with the same 3 tokens ending at j
         js = [
             j
@@ -786,7 +792,7 @@ def test_token_kinds_and_context_reach_against_explicit_definitions():
             if i >= 2 and list(doc[j - 2 : j + 1]) == list(doc[i - 2 : i + 1])
         ]
         assert got[i - 1] == (i - js[-1] if js and i >= 2 else 0), i
-    assert [evaluate.reach(d, 256, 512) for d in (0, 1, 256, 257, 768, 769)] == [
+    assert [data.reach(d, 256, 512) for d in (0, 1, 256, 257, 768, 769)] == [
         "new",
         "window",
         "window",
@@ -925,3 +931,56 @@ def test_reach_refuses_bad_input_in_one_sentence(run_dir, tmp_path, capsys):
         assert message in err and err.count("\n") == 1, (argv, err)
     assert evaluate.main(["reach", str(stdlib_run)]) == 2
     assert "needs a run trained with --data synthetic" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- repeat bands
+@settings(deadline=None, max_examples=30, derandomize=True)
+@given(
+    doc=st.lists(st.integers(0, 3), min_size=1, max_size=120),
+    window=st.integers(1, 20),
+    memory=st.integers(0, 40),
+)
+def test_repeat_bands_equal_a_brute_force_reading_of_their_definition(doc, window, memory):
+    """A target is far_repeat when its 3-token context (ending at it) occurred earlier in the
+    document, every earlier occurrence more than `window` back and one within window + memory;
+    near_repeat when one is within the window; new when there is none; else beyond."""
+    got = data.repeat_bands(np.asarray(doc), window, memory)
+    assert len(got) == len(doc) - 1
+    for i in range(1, len(doc)):
+        back = [i - j for j in range(2, i) if i >= 2 and doc[j - 2 : j + 1] == doc[i - 2 : i + 1]]
+        if not back:
+            want = "new"
+        elif any(d <= window for d in back):
+            want = "near_repeat"
+        elif any(d <= window + memory for d in back):
+            want = "far_repeat"
+        else:
+            want = "beyond"
+        assert got[i - 1] == want, (i, back)
+
+
+def test_every_evaluation_reports_each_bands_loss_with_the_memory_off_beside_it(run_dir, tmp_path):
+    """eval.json and evaluate.py perplexity carry far_repeat_loss, its _memory_off and _tokens,
+    and the same for near_repeat and new: the mean per-token loss of the band's targets."""
+    out = tmp_path / "p.json"
+    argv = ["perplexity", run_dir, "--eval-docs", "1", "--eval-tokens", "300", "--json", str(out)]
+    assert evaluate.main(argv + ["--memory-size", "64"]) == 0
+    r = json.loads(out.read_text())
+    config, params, sp, run_args = evaluate.load_run(run_dir)
+    docs, _ = evaluate.validation_docs(
+        argparse.Namespace(data=None, data_format=None), run_args, sp, config
+    )
+    doc = np.asarray(docs[0][:301])
+    losses, _ = evaluate.per_token_loss(params, config, doc)
+    off, _ = evaluate.per_token_loss(mt.memory_off(params), config, doc)
+    window = config.segment_length + config.cache_length
+    band = data.repeat_bands(doc, window, config.memory_size)
+    assert sum(r[f"{b}_tokens"] for b in data.REPEAT_BANDS) + np.sum(band == "beyond") == 300
+    for b in data.REPEAT_BANDS:
+        assert r[f"{b}_tokens"] == int(np.sum(band == b))
+        if r[f"{b}_tokens"]:
+            assert r[f"{b}_loss"] == pytest.approx(losses[band == b].mean(), rel=1e-5)
+            assert r[f"{b}_loss_memory_off"] == pytest.approx(off[band == b].mean(), rel=1e-5)
+    assert r["far_repeat_tokens"] > 0 and r["near_repeat_tokens"] > 0
+    with open(os.path.join(run_dir, "eval.json")) as f:
+        assert {"far_repeat_tokens", "near_repeat_tokens", "new_tokens"} <= set(json.load(f))

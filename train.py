@@ -242,26 +242,41 @@ def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=k
 DISTANCE_BANDS = {"near": (0, 1), "mid": (1, 2), "far": (2, float("inf"))}  # (lo, hi]
 
 
-def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
-    """Token-level validation loss, each document from its start with a fresh memory. distances
-    (synthetic data, per document): how far back each reference token's value last appeared; the
-    result then also has the loss on the references in each band, e.g. reference_loss_far."""
+def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, band_memory=None):
+    """Token-level validation loss, each document from its start with a fresh memory, and the
+    loss in each of data.REPEAT_BANDS (far_repeat_loss, far_repeat_tokens, ...), by the reach of
+    a memory of band_memory slots (default: the config's). distances (synthetic data, per
+    document): how far back each reference token's value last appeared; the result then also
+    has the loss on the references in each band, e.g. reference_loss_far."""
     eval_step = eval_step or make_forward_step(step_config(config))
     rows = max(1, min(batch_size, len(docs)))
     state = mt.init_state(config, rows)
-    total, count, ref_ce, ref_dist = 0.0, 0, [], []
+    window = config.segment_length + config.cache_length
+    memory = config.memory_size if band_memory is None else band_memory
+    bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
+    total, count, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, [], [], [], []
     for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
         state, ce, _, _ = eval_step(params, state, model_inputs(batch))
         ce = np.asarray(ce, np.float64)
         total, count = total + float(ce.sum()), count + int(batch["mask"].sum())
-        for b in range(rows) if distances is not None else ():
+        for b in range(rows):
             n = int(batch["mask"][b].sum())
-            if n:  # target j of this segment is token offset + 1 + j of its document
-                d, off = batch["doc"][b], batch["offset"][b]
+            if not n:
+                continue
+            d, off = batch["doc"][b], batch["offset"][b]  # target j here: doc token off + 1 + j
+            band_ce.append(ce[b, :n])
+            band_of.append(bands[d][off : off + n])
+            if distances is not None:
                 ref_ce.append(ce[b, :n])
                 ref_dist.append(distances[d][off + 1 : off + 1 + n])
     loss = total / max(count, 1)
     result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+    if band_ce:
+        ce, band = np.concatenate(band_ce), np.concatenate(band_of)
+        for name in data.REPEAT_BANDS:
+            if np.any(band == name):
+                result[f"{name}_loss"] = float(ce[band == name].mean())
+            result[f"{name}_tokens"] = int(np.sum(band == name))
     if ref_ce:
         ce, dist = np.concatenate(ref_ce), np.concatenate(ref_dist)
         result.update(
@@ -275,36 +290,31 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None):
     return result
 
 
-def full_evaluation(params, config, docs, distances, eval_step):
-    """evaluate(), and for a memory model the memory-off ablation's loss, perplexity and reference
-    losses under the same names with a _memory_off suffix."""
-    result = evaluate(params, config, docs, config.batch_size, eval_step, distances)
+def full_evaluation(params, config, docs, distances, eval_step, band_memory=None):
+    """evaluate(), and for a memory model the memory-off ablation's loss, perplexity, band and
+    reference losses under the same names with a _memory_off suffix."""
+    B = config.batch_size
+    result = evaluate(params, config, docs, B, eval_step, distances, band_memory)
     if config.active_memory_layers:
-        off = evaluate(mt.memory_off(params), config, docs, config.batch_size, eval_step, distances)
-        result.update(
-            {
-                f"{k}_memory_off": v
-                for k, v in off.items()
-                if k in ("loss", "perplexity") or k.startswith("reference_loss")
-            }
-        )
+        off = evaluate(mt.memory_off(params), config, docs, B, eval_step, distances, band_memory)
+        for k, v in off.items():
+            if k in ("loss", "perplexity") or k.endswith("_loss") or k.startswith("reference_loss"):
+                result[f"{k}_memory_off"] = v
     return result
 
 
 def format_eval(step, r):
-    """The printed line of an evaluation: loss, perplexity, memory off, reference losses."""
+    """The printed line of an evaluation: loss, perplexity, memory off, the far-repeat tokens'
+    loss (only the memory reaches them), reference losses; each with the memory off beside it."""
     off = f" (memory off {r['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in r else ""
-    refs = "".join(
-        f" | ref {b} {r[f'reference_loss_{b}']:.3f}"
-        + (
-            f" (off {r[f'reference_loss_{b}_memory_off']:.3f})"
-            if f"reference_loss_{b}_memory_off" in r
-            else ""
-        )
-        for b in DISTANCE_BANDS
-        if f"reference_loss_{b}" in r
-    )
-    return f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}{refs}"
+    line = f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}"
+    parts = [("far-repeat", "far_repeat_loss")]
+    parts += [(f"ref {b}", f"reference_loss_{b}") for b in DISTANCE_BANDS]
+    for label, key in parts:
+        if key in r:
+            line += f" | {label} {r[key]:.3f}"
+            line += f" (off {r[key + '_memory_off']:.3f})" if key + "_memory_off" in r else ""
+    return line
 
 
 def eval_record(step, r):
@@ -313,7 +323,11 @@ def eval_record(step, r):
         "step": step,
         "eval_loss": r["loss"],
         "eval_perplexity": r["perplexity"],
-        **{k: v for k, v in r.items() if k.startswith(("reference_loss", "perplexity_memory_off"))},
+        **{
+            k: v
+            for k, v in r.items()
+            if k.startswith(("reference_loss", "perplexity_memory_off", *data.REPEAT_BANDS))
+        },
     }
 
 
