@@ -9,6 +9,7 @@ same data stream and places only its own rows; the parameters are replicated. Th
 and so the run, is the same whatever the number of processes. Process 0 writes the run's files.
 """
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -147,9 +148,12 @@ def wait_for(coordinator, timeout):
     end = time.monotonic() + timeout
     while True:
         try:
-            socket.create_connection(
-                (host, port), timeout=max(0.1, min(2.0, end - time.monotonic()))
-            ).close()
+            answer = http2_answer(host, port, max(0.1, min(2.0, end - time.monotonic())))
+            if answer and answer[3:4] != b"\x04":  # JAX's runtime would end this process on it
+                raise runs.UsageError(
+                    f"{coordinator} answers, but not as the run's coordinator (gRPC) would: "
+                    "another program listens on that port; check --coordinator."
+                )
             return
         except OSError:
             if time.monotonic() >= end:
@@ -159,6 +163,23 @@ def wait_for(coordinator, timeout):
                     f"port."
                 ) from None
             time.sleep(0.2)
+
+
+def http2_answer(host, port, timeout):
+    """The first 9 bytes a server at host:port answers HTTP/2's client preface with: a gRPC server
+    (the coordinator) sends a frame header whose 4th byte is 4, SETTINGS; an HTTP/1 server,
+    "HTTP/1.1 400" or a page; b"" if none in time (nothing to judge it by)."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+    answer = b""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(preface)
+        with contextlib.suppress(OSError):
+            while len(answer) < 9:
+                more = s.recv(9 - len(answer))
+                if not more:
+                    break
+                answer += more
+    return answer
 
 
 def several():

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+import multihost
 import runs
 from test_train import FAST
 
@@ -389,3 +390,20 @@ def test_no_memory_leaves_its_device_in_a_step_on_4_devices(grad_accum):
         shapes
     )  # the gradients are summed: the op is found
     assert not [s for s in shapes if re.search(r"\b192\b|,32,32\]", s)], shapes
+
+
+def test_a_coordinator_port_where_an_http_server_listens_is_refused_before_jax_joins():
+    """Process 1 pointed at a port where an HTTP server listens once ended in JAX's fatal error
+    (exit 134, a C++ stack): before jax.distributed.initialize, the answer to HTTP/2's preface
+    tells an HTTP/1 server from the coordinator, and the refusal is one sentence."""
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(runs.UsageError, match="answers, but not as the run's coordinator"):
+            multihost.wait_for(address, 10)
+    finally:
+        server.shutdown()
