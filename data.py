@@ -235,23 +235,26 @@ def _join_files(files):
     )
 
 
-def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
+def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, prefix=""):
     """The GitHub layout: each top-level directory is one document; loose top-level files
-    form one more. dependency_order puts every file of a document after the files it imports
+    form one more. A directory that holds more than half of the text is read the same way a
+    level further down, its subdirectories documents of their own (one package of a library
+    is most of it). dependency_order puts every file of a document after the files it imports
     (Sec. 4.1's Isabelle ordering; Python imports too). suffixes: a tuple of file name
     endings to read (Sec. 4.1's language filter), or None for all."""
     stats = stats if stats is not None else _new_stats()
     rng = random.Random(seed)
-    docs, loose = [], []
+    docs, loose, dirs = [], [], {}
     for e in _listdir(path, stats):
         full = os.path.join(path, e)
         if _skipped(e):
             continue
         if os.path.isdir(full) and not os.path.islink(full):
-            files = _walk_unit(path, e, random.Random(f"{seed}/{e}"), stats, suffixes)
+            files = _walk_unit(path, e, random.Random(f"{seed}/{prefix}{e}"), stats, suffixes)
             files = _dependency_order(files) if dependency_order else files
             if files:
-                docs.append(Document(e, _join_files(files)))
+                docs.append(Document(prefix + e, _join_files(files)))
+                dirs[prefix + e] = full
         elif _is_a_file(full) and (not suffixes or e.endswith(suffixes)):
             text = _read_text_file(full, stats)
             if text is not None and text.strip():
@@ -259,7 +262,16 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None):
     rng.shuffle(loose)
     loose = _dependency_order(loose) if dependency_order else loose
     if loose:
-        docs.append(Document("(top level)", _join_files(loose)))
+        docs.append(Document(prefix + "(top level)", _join_files(loose)))
+    total = sum(len(d.text) for d in docs)
+    for i, d in enumerate(docs):
+        if d.id in dirs and len(d.text) > total / 2:  # most of the corpus: a level further down
+            inner = read_repo(
+                dirs[d.id], seed, dependency_order, suffixes, _new_stats(), d.id + "/"
+            )
+            if len(inner) > 1:
+                docs[i : i + 1] = inner
+            break
     return docs
 
 
@@ -630,15 +642,27 @@ def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
 
 
 def split_documents(docs, valid_fraction=0.05, seed=0):
-    """Deterministic split by document: no document is in both. At least one of each."""
+    """Deterministic split by document that holds out about valid_fraction of the corpus's
+    characters: in a seeded order, a document is held out while the held-out share is short of
+    the fraction and it fits within twice the fraction, so that a document that is most of the
+    corpus never is. No document is in both; at least one of each."""
     if len(docs) < 2:
         raise DataError(
             f"need at least 2 documents to split into train and validation, got {len(docs)}."
         )
     order = sorted(range(len(docs)), key=lambda i: docs[i].id)
     random.Random(seed).shuffle(order)
-    n_valid = min(len(docs) - 1, max(1, round(valid_fraction * len(docs))))
-    valid = set(order[:n_valid])
+    sizes = [len(d.text) for d in docs]
+    want = valid_fraction * sum(sizes)
+    valid, held = set(), 0
+    for i in order:
+        if held >= want or len(valid) == len(docs) - 1:
+            break
+        if held + sizes[i] <= 2 * want:
+            valid.add(i)
+            held += sizes[i]
+    if not valid:  # every document is more than twice the fraction: the smallest
+        valid = {min(order, key=lambda i: sizes[i])}
     return (
         [d for i, d in enumerate(docs) if i not in valid],
         [d for i, d in enumerate(docs) if i in valid],
@@ -1067,17 +1091,16 @@ class DataOptions(NamedTuple):
 def prepare(options, vocab_size, tokenizer_path=None):
     """A run's data, from its DataOptions: (train tokens, validation tokens cut to eval_docs and
     eval_tokens, their reference distances or None, the tokenizer's path, the fingerprints of the
-    training and the whole validation documents). Writes only to the cache, whose every file is
-    named by a hash of what determines its content."""
+    training and the whole validation documents, the share of the tokens held out). Writes only
+    to the cache, whose every file is named by a hash of what determines its content."""
     os.makedirs(options.cache_dir, exist_ok=True)
     docs = load_documents(
         options.data, options.data_format, seed=0, suffixes=parse_suffixes(options.suffixes)
     )
     train_docs, valid_docs = split_documents(docs, options.valid_fraction, seed=0)
     # the documents as read, whatever the path, format or suffixes that gave them
-    key = hashlib.sha256(
-        f"{corpus_key(docs)}|valid_fraction {options.valid_fraction!r}".encode()
-    ).hexdigest()[:16]
+    split = f"valid_fraction {options.valid_fraction!r} of the characters"
+    key = hashlib.sha256(f"{corpus_key(docs)}|{split}".encode()).hexdigest()[:16]
     if tokenizer_path:
         sp = load_tokenizer(tokenizer_path)
     else:
@@ -1100,6 +1123,7 @@ def prepare(options, vocab_size, tokenizer_path=None):
             f"no document of at least {max(options.min_doc_tokens, 2)} tokens left after the split."
         )
     documents = {"train": fingerprint(train), "validation": fingerprint(valid)}
+    held_out = sum(map(len, valid)) / (sum(map(len, valid)) + sum(map(len, train)))
     valid = [t[: options.eval_tokens + 1] for t in valid[: options.eval_docs]]
     refs = [r[: len(t)] for t, r in zip(valid, refs)]
     # Synthetic data: how far back each reference's value last appeared.
@@ -1108,4 +1132,4 @@ def prepare(options, vocab_size, tokenizer_path=None):
         if any(r.any() for r in refs)
         else None
     )
-    return train, valid, distances, tokenizer_path, documents
+    return train, valid, distances, tokenizer_path, documents, held_out

@@ -1358,6 +1358,7 @@ class Run(NamedTuple):
     distances: object  # synthetic data: per validation document, how far back each reference is
     tok_path: str
     documents: dict  # the fingerprints of the train and validation documents
+    held_out: float  # the share of the corpus's tokens in the validation documents
     stream: data.SegmentBatches
     params: dict
     opt_state: dict
@@ -1382,7 +1383,8 @@ def open_run(args, given, held, fresh):
         return data.prepare(data_options(args), config.vocab_size, tokenizer)
 
     prepared = agree(lambda: prepare() if is_main else None)  # process 0 fills the caches
-    train_docs, valid_docs, distances, tok_path, documents = agree(lambda: prepared or prepare())
+    ready = agree(lambda: prepared or prepare())
+    train_docs, valid_docs, distances, tok_path, documents, held_out = ready
     stream = data.segment_batches(train_docs, config.batch_size, config.segment_length, config.seed)
     start = agree(lambda: initial_state(config, args, out, stream, documents, fresh))
     params, opt_state, state, step = start
@@ -1415,6 +1417,7 @@ def open_run(args, given, held, fresh):
         distances,
         tok_path,
         documents,
+        held_out,
         stream,
         params,
         opt_state,

@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -755,7 +756,7 @@ def test_the_token_cache_follows_the_validation_split(tmp_path):
         args = runs.train_parser().parse_args(
             FAST + ["--valid-fraction", fraction, "--cache-dir", str(cache)]
         )
-        tokens, valid, _, _, _ = data.prepare(
+        tokens, valid, _, _, _, _ = data.prepare(
             runs.data_options(args), runs.config_from_args(args).vocab_size
         )
         return tokens, valid
@@ -1604,3 +1605,10 @@ def test_a_first_checkpoint_that_cannot_be_written_leaves_no_run_behind(
     )
     err = capsys.readouterr().err
     assert "No space left on device" in err and str(tmp_path / "c2") in err, err
+
+
+def test_the_runs_first_line_gives_the_share_of_tokens_held_out(finished_run):
+    out = (finished_run.parent / "stdout.txt").read_text()
+    line = next(line for line in out.splitlines() if line.startswith("run "))
+    share = re.search(r"\((\d+\.\d)% of the tokens held out\)", line)
+    assert share and 0 < float(share.group(1)) < 20, line

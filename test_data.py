@@ -755,3 +755,28 @@ def test_a_corpus_file_past_the_size_bound_is_skipped_and_counted(tmp_path, monk
     stats = data._new_stats()
     docs = data.read_text_dir(str(tmp_path), stats)
     assert [d.text for d in docs] == ["a small document\n" * 10] and stats["too_large"] == 1
+
+
+def test_a_repository_with_one_dominant_directory_is_split_a_level_down_and_by_tokens(tmp_path):
+    """--data-format repo on an installed package whose _src is most of it once held out _src
+    alone: training saw a fifth of the corpus. Now the dominant directory's subdirectories are
+    documents, and the held-out share of the text is about --valid-fraction, never most of it."""
+    root = tmp_path / "pkg"
+    for name, size in [("small_a", 3), ("small_b", 2)]:
+        write(str(root / name / "m.py"), "x = 1\n" * 100 * size)
+    for i in range(12):  # _src: 12 subpackages, 80% of the text
+        write(str(root / "_src" / f"sub{i}" / "core.py"), f"def f{i}(): pass\n" * 150)
+    write(str(root / "_src" / "base.py"), "import os\n" * 50)
+    docs = data.load_documents(str(root), "repo", verbose=False)
+    ids = sorted(d.id for d in docs)
+    assert "_src" not in ids and "_src/sub0" in ids and "_src/(top level)" in ids
+    assert {"small_a", "small_b"} <= set(ids)
+    total = sum(len(d.text) for d in docs)
+    assert max(len(d.text) for d in docs) < total / 2
+    for fraction in (0.05, 0.1, 0.3):
+        train, valid = data.split_documents(docs, fraction, seed=0)
+        held = sum(len(d.text) for d in valid) / total
+        assert 0 < held <= 2 * fraction and train, (fraction, held)
+        assert held >= fraction or len(valid) == len(docs) - 1 or any(
+            len(d.text) + sum(len(v.text) for v in valid) > 2 * fraction * total for d in train
+        )
