@@ -235,16 +235,17 @@ def _join_files(files):
     )
 
 
-def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, prefix=""):
+def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, prefix=None):
     """The GitHub layout: each top-level directory is one document; loose top-level files
-    form one more. A directory that holds more than half of the text is read the same way a
-    level further down, its subdirectories documents of their own (one package of a library
-    is most of it). dependency_order puts every file of a document after the files it imports
+    form one more. Where there are others, a directory that holds more than half of the text is
+    read the same way one level further down, its subdirectories documents of their own (one
+    package of a library is most of it); prefix: the names' prefix of such a level. dependency_order puts every file of a document after the files it imports
     (Sec. 4.1's Isabelle ordering; Python imports too). suffixes: a tuple of file name
     endings to read (Sec. 4.1's language filter), or None for all."""
     stats = stats if stats is not None else _new_stats()
     rng = random.Random(seed)
-    docs, loose, dirs = [], [], {}
+    docs, loose, dirs, top = [], [], {}, prefix is None
+    prefix = prefix or ""
     for e in _listdir(path, stats):
         full = os.path.join(path, e)
         if _skipped(e):
@@ -264,7 +265,7 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, p
     if loose:
         docs.append(Document(prefix + "(top level)", _join_files(loose)))
     total = sum(len(d.text) for d in docs)
-    for i, d in enumerate(docs):
+    for i, d in enumerate(docs if top and len(docs) > 1 else ()):
         if d.id in dirs and len(d.text) > total / 2:  # most of the corpus: a level further down
             inner = read_repo(
                 dirs[d.id], seed, dependency_order, suffixes, _new_stats(), d.id + "/"
