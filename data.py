@@ -239,9 +239,10 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, p
     """The GitHub layout: each top-level directory is one document; loose top-level files
     form one more. Where there are others, a directory that holds more than half of the text is
     read the same way one level further down, its subdirectories documents of their own (one
-    package of a library is most of it); prefix: the names' prefix of such a level. dependency_order puts every file of a document after the files it imports
-    (Sec. 4.1's Isabelle ordering; Python imports too). suffixes: a tuple of file name
-    endings to read (Sec. 4.1's language filter), or None for all."""
+    package of a library is most of it); prefix: the names' prefix of such a level.
+    dependency_order puts every file of a document after the files it imports (Sec. 4.1's
+    Isabelle ordering; Python imports too). suffixes: a tuple of file name endings to read
+    (Sec. 4.1's language filter), or None for all."""
     stats = stats if stats is not None else _new_stats()
     rng = random.Random(seed)
     docs, loose, dirs, top = [], [], {}, prefix is None
