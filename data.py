@@ -1093,8 +1093,8 @@ class DataOptions(NamedTuple):
 def prepare(options, vocab_size, tokenizer_path=None):
     """A run's data, from its DataOptions: (train tokens, validation tokens cut to eval_docs and
     eval_tokens, their reference distances or None, the tokenizer's path, the fingerprints of the
-    training and the whole validation documents, the share of the tokens held out). Writes only
-    to the cache, whose every file is named by a hash of what determines its content."""
+    training and the whole validation documents, (held-out documents, their token share)).
+    Writes only to the cache, whose every file is named by a hash of what determines it."""
     os.makedirs(options.cache_dir, exist_ok=True)
     docs = load_documents(
         options.data, options.data_format, seed=0, suffixes=parse_suffixes(options.suffixes)
@@ -1125,7 +1125,8 @@ def prepare(options, vocab_size, tokenizer_path=None):
             f"no document of at least {max(options.min_doc_tokens, 2)} tokens left after the split."
         )
     documents = {"train": fingerprint(train), "validation": fingerprint(valid)}
-    held_out = sum(map(len, valid)) / (sum(map(len, valid)) + sum(map(len, train)))
+    share = sum(map(len, valid)) / (sum(map(len, valid)) + sum(map(len, train)))
+    held_out = (len(valid), share)  # documents, and their share of the tokens
     valid = [t[: options.eval_tokens + 1] for t in valid[: options.eval_docs]]
     refs = [r[: len(t)] for t, r in zip(valid, refs)]
     # Synthetic data: how far back each reference's value last appeared.

@@ -1358,7 +1358,7 @@ class Run(NamedTuple):
     distances: object  # synthetic data: per validation document, how far back each reference is
     tok_path: str
     documents: dict  # the fingerprints of the train and validation documents
-    held_out: float  # the share of the corpus's tokens in the validation documents
+    held_out: tuple  # (validation documents, their share of the corpus's tokens)
     stream: data.SegmentBatches
     params: dict
     opt_state: dict

@@ -1613,5 +1613,5 @@ def test_a_first_checkpoint_that_cannot_be_written_leaves_no_run_behind(
 def test_the_runs_first_line_gives_the_share_of_tokens_held_out(finished_run):
     out = (finished_run.parent / "stdout.txt").read_text()
     line = next(line for line in out.splitlines() if line.startswith("run "))
-    share = re.search(r"\((\d+\.\d)% of the tokens held out\)", line)
+    share = re.search(r"held-out documents \((\d+\.\d)% of the tokens\)", line)
     assert share and 0 < float(share.group(1)) < 20, line

@@ -475,8 +475,8 @@ def describe(run, params):
     tokens = sum(map(len, run.train_docs)) / 1e6
     return (
         f"run {run.out}: {size:.2f}M params, {tokens:.2f}M train tokens, "
-        f"{len(run.train_docs)} train / {len(run.valid_docs)} valid documents "
-        f"({run.held_out:.1%} of the tokens held out), device "
+        f"{len(run.train_docs)} train / {run.held_out[0]} held-out documents ("
+        f"{run.held_out[1]:.1%} of the tokens), {len(run.valid_docs)} evaluated, device "
         f"{jax.devices()[0].platform} x{jax.device_count()}{processes}, memory "
         f"{c.memory_size} in layers {list(c.active_memory_layers)}"
     )
