@@ -1543,34 +1543,21 @@ def _directory_in_place(path):
     ],
     ids=["token id 10^6", "offsets reversed", "tokenizer a directory"],
 )
-def test_a_cache_file_of_the_right_form_with_wrong_values_is_rebuilt(tmp_path, pattern, edit):
+def test_a_cache_file_of_the_right_form_with_wrong_values_is_rebuilt(
+    tmp_path, capsys, pattern, edit
+):
     """A cached token file that is a valid npz with an id past the vocabulary, or its offsets
     reversed, and a cached tokenizer that a directory has replaced: the run says the cache
     cannot be read, rebuilds it, and trains (it once ended in a traceback after writing its
     run files, or was refused naming a temporary file)."""
     cache = tmp_path / "cache"
     argv = FAST + ["--steps", "1", "--eval-every", "0", "--cache-dir", str(cache)]
-    assert (
-        subprocess.run(
-            [sys.executable, "train.py", *argv, "--out", str(tmp_path / "a")],
-            cwd=HERE,
-            capture_output=True,
-            env=child_env(),
-        ).returncode
-        == 0
-    )
+    assert train.main(argv + ["--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
     edit(next(cache.glob(pattern)))
-    proc = subprocess.run(
-        [sys.executable, "train.py", *argv, "--out", str(tmp_path / "b")],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        env=child_env(),
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "note: the " in proc.stdout and (
-        "cannot be read" in proc.stdout or "not a file" in proc.stdout
-    ), proc.stdout
+    assert train.main(argv + ["--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "note: the " in out and ("cannot be read" in out or "not a file" in out), out
     assert data.load_tokenizer(str(next(cache.glob("tokenizer-*.model"))))
 
 
