@@ -529,7 +529,7 @@ def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
     docs = data.synthetic_documents(num_docs=5, length=100) + [
         data.Document(
             "code",
-            ("def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode\n\n\n    pass\r\n"),
+            "def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode\n\n\n    pass\r\n",
         )
     ]
     sp, path = data.get_tokenizer(docs, 400, str(tmp_path), "k")
@@ -777,6 +777,10 @@ def test_a_repository_with_one_dominant_directory_is_split_a_level_down_and_by_t
         train, valid = data.split_documents(docs, fraction, seed=0)
         held = sum(len(d.text) for d in valid) / total
         assert 0 < held <= 2 * fraction and train, (fraction, held)
-        assert held >= fraction or len(valid) == len(docs) - 1 or any(
-            len(d.text) + sum(len(v.text) for v in valid) > 2 * fraction * total for d in train
+        assert (
+            held >= fraction
+            or len(valid) == len(docs) - 1
+            or any(
+                len(d.text) + sum(len(v.text) for v in valid) > 2 * fraction * total for d in train
+            )
         )
