@@ -526,12 +526,9 @@ def test_split_is_disjoint_deterministic_and_covers_everything():
 
 
 def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
-    docs = data.synthetic_documents(num_docs=5, length=100) + [
-        data.Document(
-            "code",
-            "def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode\n\n\n    pass\r\n",
-        )
-    ]
+    code = "def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode"
+    code += "\n\n\n    pass\r\n"
+    docs = data.synthetic_documents(num_docs=5, length=100) + [data.Document("code", code)]
     sp, path = data.get_tokenizer(docs, 400, str(tmp_path), "k")
     for d in docs:
         assert sp.decode(sp.encode(d.text)) == d.text
