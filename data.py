@@ -1077,6 +1077,11 @@ def parse_suffixes(text):
     return suffixes
 
 
+def first_tokens(docs, n):
+    """Each document's first n targets (its first n + 1 tokens); n = 0: the whole document."""
+    return [d[: n + 1] for d in docs] if n else list(docs)
+
+
 class DataOptions(NamedTuple):
     """What chooses a run's data and its validation (train.py's flags of the same names)."""
 
@@ -1092,8 +1097,9 @@ class DataOptions(NamedTuple):
 
 def prepare(options, vocab_size, tokenizer_path=None):
     """A run's data, from its DataOptions: (train tokens, validation tokens cut to eval_docs and
-    eval_tokens, their reference distances or None, the tokenizer's path, the fingerprints of the
-    training and the whole validation documents, (held-out documents, their token share)).
+    eval_tokens (0: whole), their reference distances or None, the tokenizer's path, the
+    fingerprints of the training and the whole validation documents, (held-out documents, their
+    token share)).
     Writes only to the cache, whose every file is named by a hash of what determines it."""
     os.makedirs(options.cache_dir, exist_ok=True)
     docs = load_documents(
@@ -1127,7 +1133,7 @@ def prepare(options, vocab_size, tokenizer_path=None):
     documents = {"train": fingerprint(train), "validation": fingerprint(valid)}
     share = sum(map(len, valid)) / (sum(map(len, valid)) + sum(map(len, train)))
     held_out = (len(valid), share)  # documents, and their share of the tokens
-    valid = [t[: options.eval_tokens + 1] for t in valid[: options.eval_docs]]
+    valid = first_tokens(valid[: options.eval_docs], options.eval_tokens)
     refs = [r[: len(t)] for t, r in zip(valid, refs)]
     # Synthetic data: how far back each reference's value last appeared.
     distances = (

@@ -151,11 +151,9 @@ def cmd_perplexity(args):
     if args.exact_topk is not None:  # Sec. 3.3: the same weights with the exact or the binned top-k
         config = config.replace(exact_topk=args.exact_topk)
     docs, refs = validation_docs(args, run_args, sp, config)
-    eval_docs, eval_tokens = (
-        args.eval_docs or run_args["eval_docs"],
-        args.eval_tokens or run_args["eval_tokens"],
-    )
-    docs = [d[: eval_tokens + 1] for d in docs[:eval_docs]]
+    eval_docs = args.eval_docs or run_args["eval_docs"]
+    eval_tokens = run_args["eval_tokens"] if args.eval_tokens is None else args.eval_tokens
+    docs = data.first_tokens(docs[:eval_docs], eval_tokens)
     refs = [r[: len(d)] for d, r in zip(docs, refs)]
     # Synthetic data marks the referenced values: their loss is reported apart, by distance.
     distances = (
@@ -167,21 +165,32 @@ def cmd_perplexity(args):
         "memory_size": config.memory_size,
         "exact_topk": config.exact_topk,
         **train.full_evaluation(
-            params, config, docs, distances, train.make_forward_step(train.step_config(config))
+            params,
+            config,
+            docs,
+            distances,
+            train.make_forward_step(train.step_config(config)),
+            args.band_memory,
         ),
     }
-    tokens = runs.plural(result["tokens"], "token")
-    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {tokens})"
+    line = (
+        f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {train.scored(result)})"
+    )
     if config.active_memory_layers:
         line += f" | memory off: {result['perplexity_memory_off']:.3f}"
     print(f"memory {config.memory_size}{', exact top-k' if config.exact_topk else ''}: {line}")
-    for band in ("",) + tuple(f"_{b}" for b in train.DISTANCE_BANDS):
-        if f"reference_loss{band}" in result:
-            off = result.get(f"reference_loss{band}_memory_off")
+    # the loss in each band of data.repeat_bands, then on the synthetic data's references
+    bands = [
+        (f"{b.replace('_', '-')} tokens", f"{b}_loss", f"{b}_tokens") for b in data.REPEAT_BANDS
+    ]
+    bands += [("reference tokens (all)", "reference_loss", "reference_tokens")]
+    for b in train.DISTANCE_BANDS:
+        bands += [(f"reference tokens {b}", f"reference_loss_{b}", f"reference_tokens_{b}")]
+    for label, loss, tokens in bands:
+        if loss in result:
+            off = result.get(f"{loss}_memory_off")
             print(
-                f"reference tokens{band.replace('_', ' ') or ' (all)'}: loss "
-                f"{result[f'reference_loss{band}']:.4f}"
-                f" over {result[f'reference_tokens{band}']}"
+                f"{label}: loss {result[loss]:.4f} over {result[tokens]}"
                 + ("" if off is None else f" (memory off: {off:.4f})")
             )
     if args.json:
@@ -964,13 +973,19 @@ def build_parser():
     )
     s.add_argument(
         "--eval-tokens",
-        type=positive,
-        help="tokens from each document's start (default: the run's)",
+        type=count,
+        help="tokens from each document's start, 0 = whole (default: the run's; train.py's is 0)",
     )
     s.add_argument(
         "--exact-topk",
         action=argparse.BooleanOptionalAction,
         help="exact top-k, or the binned approximate top-k (default: the run's)",
+    )
+    s.add_argument(
+        "--band-memory",
+        type=count,
+        help="the repeat bands by the reach of a memory of this many slots (default: the "
+        "evaluated memory's), so that an XL-only run is scored on a memory run's far-repeat tokens",
     )
     s.add_argument("--json", type=runs.path_arg, help="write the result here" + runs.REPLACED)
     s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")

@@ -209,6 +209,20 @@ def place(tree, rows):
     return jax.tree.map(one, tree)
 
 
+def distribute(params, opt_state, state):
+    """With several devices (of one process or of several), data parallelism: the batch's rows and
+    their memories split over the devices, the params replicated. Returns the three, and how to
+    place a batch."""
+    if jax.device_count() == 1:
+        return params, opt_state, state, lambda batch: batch
+    return (
+        place(params, False),
+        place(opt_state, False),
+        place(state, True),
+        lambda batch: place(batch, True),
+    )
+
+
 def gather(tree):
     """Host (numpy) values of global arrays, whole, on every process; a collective where rows lie
     on other processes, so every process calls it at the same point."""

@@ -54,6 +54,7 @@ RESUME_MAY_CHANGE = (
     "resume",
     "log_every",
     "eval_every",
+    "curve_tokens",
     "save_every",
     "cache_dir",
     "coordinator",
@@ -288,7 +289,7 @@ def read_run_config(run_dir):
     for name, flag_type in (
         ("valid_fraction", fraction),
         ("eval_docs", positive_int),
-        ("eval_tokens", positive_int),
+        ("eval_tokens", count),
     ):
         try:
             flag_type(str(args[name]))
@@ -915,9 +916,17 @@ def train_parser():
     )
     p.add_argument(
         "--eval-tokens",
-        type=positive_int,
+        type=count,
+        default=0,
+        help="tokens scored from each validation document's start by the final evaluation "
+        "(eval.json) and evaluate.py; 0 = the whole document",
+    )
+    p.add_argument(
+        "--curve-tokens",
+        type=count,
         default=4096,
-        help="tokens evaluated from each validation document's start",
+        help="the same for the evaluations every --eval-every steps, at most --eval-tokens "
+        "(0 = as many)",
     )
     p.add_argument(
         "--valid-fraction", type=fraction, default=0.05, help="share of documents held out"

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import re
 import shutil
 import subprocess
@@ -982,5 +983,57 @@ def test_every_evaluation_reports_each_bands_loss_with_the_memory_off_beside_it(
             assert r[f"{b}_loss"] == pytest.approx(losses[band == b].mean(), rel=1e-5)
             assert r[f"{b}_loss_memory_off"] == pytest.approx(off[band == b].mean(), rel=1e-5)
     assert r["far_repeat_tokens"] > 0 and r["near_repeat_tokens"] > 0
+    # With no memory, --band-memory scores the same tokens' bands: what local attention alone does
+    # on the memory's far-repeat tokens.
+    assert evaluate.main(argv + ["--memory-size", "0", "--band-memory", "64"]) == 0
+    xl = json.loads(out.read_text())
+    assert all(xl[f"{b}_tokens"] == r[f"{b}_tokens"] for b in data.REPEAT_BANDS)
+    assert xl["far_repeat_loss"] == pytest.approx(r["far_repeat_loss_memory_off"], rel=1e-5)
     with open(os.path.join(run_dir, "eval.json")) as f:
         assert {"far_repeat_tokens", "near_repeat_tokens", "new_tokens"} <= set(json.load(f))
+
+
+def test_by_default_whole_documents_are_scored_so_a_larger_memory_changes_the_perplexity(
+    tmp_path, capsys
+):
+    """Sec. 4.6: for a document's first M tokens, memories of M and of 4M slots hold the same keys.
+    With train.py's and evaluate.py's default evaluation flags, a validation document longer than
+    T + cache + 16384 tokens is scored to its end, so M = 4096 and M = 16384 score differently;
+    and the line says how many of the scored tokens came after the memory had filled."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefgh") for _ in range(4)) for _ in range(64)]
+    (tmp_path / "corpus").mkdir()
+    for i in range(3):  # one held out, two for the two rows
+        text = " ".join(rng.choice(words) for _ in range(17000))
+        (tmp_path / "corpus" / f"doc{i}.txt").write_text(text)
+    out = tmp_path / "run"
+    flags = ["--data", str(tmp_path / "corpus"), "--vocab-size", "512", "--steps", "1"]
+    flags += ["--segment-length", "128", "--memory-size", "128", "--batch-size", "2"]
+    flags += ["--num-layers", "2", "--memory-layers", "1", "--num-neighbors", "8"]
+    flags += ["--d-model", "32", "--num-heads", "2", "--head-dim", "16", "--d-ff", "64"]
+    flags += ["--exact-topk", "--init-gate-bias", "3"]  # the retrieved values weigh 0.95
+    flags += ["--valid-fraction", "0.3", "--out", str(out), "--cache-dir", str(tmp_path / "c")]
+    assert train.main(flags) == 0
+    config = evaluate.load_run(str(out))[0]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["tokens"] > config.segment_length + config.cache_length + 16384  # the whole document
+    assert f"{ev['tokens_memory_full']} after the memory filled" in capsys.readouterr().out
+
+    def perplexity(memory_size, *flags):
+        path = tmp_path / "p.json"
+        argv = ["perplexity", str(out), "--memory-size", str(memory_size), "--json", str(path)]
+        assert evaluate.main(argv + list(flags)) == 0
+        return json.loads(path.read_text())
+
+    small, large = perplexity(4096), perplexity(16384)
+    assert small["tokens"] == large["tokens"] == ev["tokens"]
+    assert small["tokens_memory_full"] == small["tokens"] - 4096  # targets from offset 4096 on
+    assert large["tokens_memory_full"] == large["tokens"] - 16384
+    assert abs(small["loss"] - large["loss"]) > 1e-5  # (an untrained model's loss moves little)
+    assert small["loss_memory_off"] == pytest.approx(large["loss_memory_off"], rel=1e-6)
+    # The old default, each document's first 4096 tokens: the two memories never differ.
+    small, large = (
+        perplexity(4096, "--eval-tokens", "4096"),
+        perplexity(16384, "--eval-tokens", "4096"),
+    )
+    assert small["tokens"] == 4096 and abs(small["loss"] - large["loss"]) < 1e-7

@@ -353,13 +353,14 @@ def test_bad_flags_of_several_processes_get_one_sentence(tmp_path, flags, messag
 STEP_COLLECTIVES = """
 import json, re, sys
 import jax, numpy as np
-import memorizing_transformer as mt, train
+import memorizing_transformer as mt, multihost, train
 config = mt.PRESETS["tiny"].replace(num_layers=2, memory_layers=(1,), segment_length=32,
                                     memory_size=192, batch_size=8, vocab_size=512,
                                     grad_accum=int(sys.argv[1]))
 params = mt.init_params(config, jax.random.PRNGKey(0))
-params, opt_state, state, place = train.distribute(params, train.make_optimizer(config)[0](params),
-                                                   mt.init_state(config, config.batch_size))
+opt_state = train.make_optimizer(config)[0](params)
+state = mt.init_state(config, config.batch_size)
+params, opt_state, state, place = multihost.distribute(params, opt_state, state)
 B, T = config.batch_size, config.segment_length
 batch = place(dict(tokens=np.zeros((B, T), np.int32), targets=np.zeros((B, T), np.int32),
                    mask=np.ones((B, T), bool), reset=np.zeros(B, bool)))

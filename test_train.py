@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import evaluate
 import memorizing_transformer as mt
 import runs
 import train
@@ -319,6 +320,25 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache, monkeypatch):
         a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)
         and a["tokens"] == b["tokens"] > 0
     )
+
+
+def test_the_curves_evaluations_score_curve_tokens_and_the_final_one_whole_documents(
+    tmp_path, cache, capsys
+):
+    """--eval-tokens 0 (the default): eval.json scores each validation document to its end; the
+    evaluations every --eval-every steps score each one's first --curve-tokens targets."""
+    flags = ["--steps", "2", "--eval-every", "1", "--eval-tokens", "0", "--curve-tokens", "40"]
+    assert run(tmp_path / "r", cache, *flags) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval")]
+    config, _, sp, run_args = evaluate.load_run(str(tmp_path / "r"))
+    docs, _ = evaluate.validation_docs(
+        argparse.Namespace(data=None, data_format=None), run_args, sp, config
+    )
+    whole = sum(len(d) - 1 for d in docs[:2])  # FAST's --eval-docs 2
+    assert min(len(d) for d in docs[:2]) > 41 and whole > 80
+    assert len(lines) == 2 and "| 80 tokens (" in lines[0]  # (none after the memory filled)
+    assert f"| {whole} tokens (" in lines[1]
+    assert json.loads((tmp_path / "r" / "eval.json").read_text())["tokens"] == whole
 
 
 def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tmp_path, cache):

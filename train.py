@@ -254,7 +254,7 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
     window = config.segment_length + config.cache_length
     memory = config.memory_size if band_memory is None else band_memory
     bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
-    total, count, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, [], [], [], []
+    total, count, full, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, 0, [], [], [], []
     for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
         state, ce, _, _ = eval_step(params, state, model_inputs(batch))
         ce = np.asarray(ce, np.float64)
@@ -264,6 +264,7 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
             if not n:
                 continue
             d, off = batch["doc"][b], batch["offset"][b]  # target j here: doc token off + 1 + j
+            full += n if off >= config.memory_size else 0  # the memory holds tokens [0, off)
             band_ce.append(ce[b, :n])
             band_of.append(bands[d][off : off + n])
             if distances is not None:
@@ -271,6 +272,8 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
                 ref_dist.append(distances[d][off + 1 : off + 1 + n])
     loss = total / max(count, 1)
     result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+    if config.active_memory_layers:
+        result["tokens_memory_full"] = full  # scored after the memory's M slots had filled
     if band_ce:
         ce, band = np.concatenate(band_ce), np.concatenate(band_of)
         for name in data.REPEAT_BANDS:
@@ -314,7 +317,14 @@ def format_eval(step, r):
         if key in r:
             line += f" | {label} {r[key]:.3f}"
             line += f" (off {r[key + '_memory_off']:.3f})" if key + "_memory_off" in r else ""
-    return line
+    return f"{line} | {scored(r)}"
+
+
+def scored(r):
+    """How many tokens an evaluation scored, and how many after the memory was full."""
+    full = r.get("tokens_memory_full")
+    tokens = data.plural(r["tokens"], "token")
+    return tokens + ("" if full is None else f" ({full} after the memory filled)")
 
 
 def eval_record(step, r):
@@ -332,21 +342,6 @@ def eval_record(step, r):
 
 
 # ----------------------------------------------------------------------------- the run
-def distribute(params, opt_state, state):
-    """With several devices (of one process or of several), data parallelism: the batch's rows and
-    their memories split over the devices, the params replicated. Returns the three, and how to
-    place a batch."""
-    if jax.device_count() == 1:
-        return params, opt_state, state, lambda batch: batch
-    place = multihost.place
-    return (
-        place(params, False),
-        place(opt_state, False),
-        place(state, True),
-        lambda batch: place(batch, True),
-    )
-
-
 def log_step(log, step, metrics, config, tokens_per_s):
     """One training line: to metrics.jsonl (JSON) and to stdout."""
     rec = {
@@ -402,9 +397,11 @@ def train_run(args, given):
             )
             return 0
         config, out, stream, step = run.config, run.out, run.stream, run.step
-        params, opt_state, state, place = distribute(run.params, run.opt_state, run.state)
+        params, opt_state, state, place = multihost.distribute(run.params, run.opt_state, run.state)
         train_step = make_train_step(step_config(config))
         eval_step = make_forward_step(step_config(config))
+        curve_docs = data.first_tokens(run.valid_docs, args.curve_tokens)  # the learning curve's
+        curve_distances = run.distances and data.first_tokens(run.distances, args.curve_tokens)
         print(describe(run, params), flush=True)
         runs.note_unused_pieces(run.tok_path, config.vocab_size)
         ckpt_path = os.path.join(out, "checkpoint.npz")
@@ -431,7 +428,7 @@ def train_run(args, given):
                     log_step(log, step, metrics, config, tokens_since / (time.time() - t_log))
                     t_log, tokens_since = time.time(), 0
                 if args.eval_every and step % args.eval_every == 0 and step < config.steps:
-                    r = full_evaluation(params, config, run.valid_docs, run.distances, eval_step)
+                    r = full_evaluation(params, config, curve_docs, curve_distances, eval_step)
                     print(format_eval(step, r), flush=True)
                     log.write(json.dumps(eval_record(step, r)) + "\n")
                 if step % args.save_every == 0 or step == config.steps or stopping:
@@ -460,7 +457,7 @@ def train_run(args, given):
                 f.write(json.dumps(eval_record(step, result)) + "\n")
             runs.atomic_write(os.path.join(out, "eval.json"), runs.json_text(result))
         print(
-            f"{format_eval(step, result)} | {result['tokens']} tokens | "
+            f"{format_eval(step, result)} | "
             f"{time.time() - t_start:.0f} s total | {out}/eval.json",
             flush=True,
         )
