@@ -1077,6 +1077,14 @@ def parse_suffixes(text):
     return suffixes
 
 
+def check_tokens(tokens, vocab_size):
+    """A clear error for token ids outside [0, vocab_size): the model never clips them."""
+    tokens = np.asarray(tokens)
+    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+    if bad.size:
+        raise DataError(f"token id {int(bad[0])} is out of range for vocab_size {vocab_size}.")
+
+
 def first_tokens(docs, n):
     """Each document's first n targets (its first n + 1 tokens); n = 0: the whole document."""
     return [d[: n + 1] for d in docs] if n else list(docs)

@@ -115,7 +115,7 @@ def validation_docs(args, run_args, sp, config):
             f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}."
         )
     for t, _ in kept:
-        mt.check_tokens(t, config.vocab_size)
+        data.check_tokens(t, config.vocab_size)
     known = (
         (run_args.get("documents") or {}).get("validation")
         if own and fmt == run_args["data_format"]
@@ -557,7 +557,7 @@ def cmd_reach(args):
     for D in args.distances:
         docs, refs = data.tokenize(data.synthetic_long_documents(args.docs, D, seed=args.seed), sp)
         for t in docs:
-            mt.check_tokens(t, config.vocab_size)
+            data.check_tokens(t, config.vocab_size)
         dist = [data.reference_distances(t, r) for t, r in zip(docs, refs)]
         probe_pos = [np.flatnonzero(r) for r in refs]  # the probes' value tokens
         all_dist = np.concatenate([d[p] for d, p in zip(dist, probe_pos)])

@@ -42,6 +42,7 @@ class Config:
     attention: str = "explicit"  # kernels.py's local attention: "explicit" or "fused" (cuDNN)
     init_prev_token_bias: float = 0.0  # T5 bias at distance 1 in half of layer 0's heads
     init_gate_bias: float = 0.0  # Eq. (1)'s gate starts at sigmoid(0) = 0.5, as in the paper
+    memory_combine: str = "gate"  # how the two results mix: "gate" (Eq. 2), "add" or "joint"
     # training (Sec. 4.2)
     batch_size: int = 256  # rows; a batch holds batch_size * segment_length tokens
     grad_accum: int = 1  # micro-batches per step (rows are split between them)
@@ -77,7 +78,7 @@ POSITIVE_FIELDS = (
     "grad_accum",
 )
 CHOICES = {"dtype": ("float32", "bfloat16"), "memory_dtype": (None, "float32", "bfloat16"),
-           "attention": ("explicit", "fused")}
+           "attention": ("explicit", "fused"), "memory_combine": ("gate", "add", "joint")}
 
 
 def check_config(c):
@@ -121,8 +122,7 @@ def check(ok, message):
 
 
 PRESETS = {
-    # Sec. 4.2: 2^17 tokens a step as 8 micro-batches of 32 rows; the memory scored 8192 slots
-    # at a time.
+    # Sec. 4.2: 2^17 tokens a step, as 8 micro-batches of 32 rows; 8192 slots scored at a time.
     "paper": Config(grad_accum=8, memory_chunk=8192),
     # One GPU, a few minutes.
     "small": Config(vocab_size=8192, d_model=512, num_layers=8, num_heads=8, head_dim=64,
@@ -133,8 +133,7 @@ PRESETS = {
                    segment_length=128, memory_layers=(2,), memory_size=512, batch_size=8,
                    steps=1200, warmup_steps=100),
     # The synthetic task's recipe (README): two layers, so that the copy circuit's second half
-    # can only live in the memory layer; a previous-token prior; a rate at which the weights do
-    # not learn the bindings.
+    # can only live in the memory layer; a previous-token prior; a rate too low to learn bindings.
     "synthetic": Config(vocab_size=2048, d_model=128, num_layers=2, num_heads=4, head_dim=32,
                         d_ff=512, segment_length=128, memory_layers=(1,), memory_size=512,
                         batch_size=8, steps=2000, warmup_steps=100, lr=0.3,
@@ -262,11 +261,13 @@ def masked_softmax(logits, valid):
     return weights * any_valid, any_valid[..., 0]
 
 
-def local_attention(q, k, v, key_valid, rel_bias, scale, config):
-    """Sec. 3: causal attention over [XL cache; segment] with a sliding window and the T5 bias.
-    q [B, H, T, D]; k, v [B, H, S, D], the cache first; key_valid [B, S] -> [B, H, T, D].
-    Query t sits at position C + t and sees key s iff 0 <= C + t - s <= T: itself and at most
-    the previous segment_length tokens. A padding query (key C + t invalid) gets 0."""
+def masked_logsumexp(logits, valid):
+    """The log of masked_softmax's normalizer: [..., n] -> [...]; about NEG_INF if none is valid."""
+    return jax.nn.logsumexp(jnp.where(valid, logits.astype(jnp.float32), NEG_INF), axis=-1)
+
+
+def local_logits(q, k, key_valid, rel_bias, scale, config):
+    """The logits of local_attention [B, H, T, S], and which keys each query sees [B, 1, T, S]."""
     T, S = q.shape[2], k.shape[2]
     dist = (S - T + np.arange(T))[:, None] - np.arange(S)[None, :]  # [T, S] query - key position
     buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
@@ -274,12 +275,19 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     qs = scale_queries(q, scale)  # [B, H, T, D]
     logits = jnp.einsum("bhtd,bhsd->bhts", qs, k,
                         preferred_element_type=jnp.float32, precision=precision(config))
-    logits = logits + bias  # [B, H, T, S]
     window = (dist >= 0) & (dist <= config.segment_length)  # [T, S]
     visible = window[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
+    return logits + bias, visible
+
+
+def local_attention(q, k, v, key_valid, rel_bias, scale, config):
+    """Sec. 3: causal attention over [XL cache; segment] with a sliding window and the T5 bias.
+    q [B, H, T, D]; k, v [B, H, S, D], the cache first; key_valid [B, S] -> [B, H, T, D]. Query t
+    at position C + t sees key s iff 0 <= C + t - s <= T. A padding query gets 0."""
+    logits, visible = local_logits(q, k, key_valid, rel_bias, scale, config)  # [B, H, T, S]
     weights, _ = masked_softmax(logits, visible)  # [B, H, T, S]
     out = jnp.einsum("bhts,bhsd->bhtd", weights.astype(v.dtype), v)  # [B, H, T, D]
-    query_valid = key_valid[:, None, S - T :, None]  # [B, 1, T, 1]
+    query_valid = key_valid[:, None, k.shape[2] - q.shape[2] :, None]  # [B, 1, T, 1]
     return out * query_valid.astype(out.dtype)
 
 
@@ -306,9 +314,8 @@ def bin_layout(k, memory_size, recall_target):
 
 def memory_search(q, mem_k, mem_valid, scale, config):
     """The top-k memory slots of every query: q [B, H, T, D], mem_k [B, H, M, D], mem_valid [B, M]
-    -> scores, slots [B, H, T, K]. Exact, or binned (Sec. 3.3): each bin's best slot, then the
-    top-k of the bins' winners. Slots written one after another fall in different bins.
-    Invalid slots score NEG_INF. Not differentiable: retrieval only picks slots."""
+    -> scores, slots [B, H, T, K]; invalid slots score NEG_INF. Exact, or binned (Sec. 3.3): each
+    bin's best slot (consecutive slots in different bins), then the top-k of the winners."""
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
     qs = jax.lax.stop_gradient(scale_queries(q, scale))  # [B, H, T, D]
@@ -327,24 +334,30 @@ def memory_search(q, mem_k, mem_valid, scale, config):
 
 
 # -------------------------------------------------------------------------- Sec. 3.1: kNN attention
+def retrieved_logits(q, mem_k, slots, scale, config):
+    """Each query q [B, H, T, D] against its retrieved keys, slots [B, H, T, K] -> [B, H, T, K]."""
+    index = slots[..., None]  # [B, H, T, K, 1]
+    keys = jnp.take_along_axis(mem_k[:, :, None], index, axis=3).astype(q.dtype)  # [B, H, T, K, D]
+    logits = jnp.einsum("bhtd,bhtkd->bhtk", q, keys,
+                        preferred_element_type=jnp.float32, precision=precision(config))
+    return logits * scale[None, :, None, None]  # [B, H, T, K]: Sec. 3.2's scale
+
+
 def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config):
     """Softmax attention of each query over its K retrieved pairs, with no position bias:
     q [B, H, T, D], slots and valid [B, H, T, K] -> out [B, H, T, D], weights [B, H, T, K],
     has_memory [B, H, T] (False where no retrieved slot was valid)."""
     index = slots[..., None]  # [B, H, T, K, 1]
-    keys = jnp.take_along_axis(mem_k[:, :, None], index, axis=3).astype(q.dtype)  # [B, H, T, K, D]
     vals = jnp.take_along_axis(mem_v[:, :, None], index, axis=3).astype(q.dtype)  # [B, H, T, K, D]
-    logits = jnp.einsum("bhtd,bhtkd->bhtk", q, keys,
-                        preferred_element_type=jnp.float32, precision=precision(config))
-    logits = logits * scale[None, :, None, None]  # [B, H, T, K]: Sec. 3.2's scale
+    logits = retrieved_logits(q, mem_k, slots, scale, config)  # [B, H, T, K]
     weights, has_memory = masked_softmax(logits, valid)  # [B, H, T, K]
     out = jnp.einsum("bhtk,bhtkd->bhtd", weights.astype(vals.dtype), vals)  # [B, H, T, D]
     return out, weights, has_memory
 
 
 def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, ops):
-    """Sec. 3.1: retrieve each query's top-k pairs from the memory and attend to them.
-    q [B, H, T, D]; mem_k, mem_v [B, H, M, D]; mem_valid [B, M] -> out, has_memory [B, H, T],
+    """Sec. 3.1: retrieve each query's top-k pairs from the memory and attend to them. q [B, H, T,
+    D]; mem_k, mem_v [B, H, M, D]; mem_valid [B, M] -> out, has_memory, log normalizer [B, H, T],
     slots, weights [B, H, T, K]. The memory is a constant: gradients reach q through the keys."""
     mem_k = jax.lax.stop_gradient(mem_k)
     mem_v = jax.lax.stop_gradient(mem_v)
@@ -352,14 +365,30 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, ops):
     valid = jax.vmap(lambda row_valid, row_slots: row_valid[row_slots])(mem_valid, slots)
     attend = ops.attend_to_retrieved
     out, weights, has_memory = attend(q, mem_k, mem_v, slots, valid, scale, config)
-    return out, has_memory, slots, weights
+    lse = masked_logsumexp(retrieved_logits(q, mem_k, slots, scale, config), valid)  # [B, H, T]
+    return out, has_memory, lse, slots, weights
+
+
+def combine(out, mem_out, has_memory, gate_bias, lse, config):
+    """The local out and retrieved mem_out [B, H, T, D], mixed as config.memory_combine says. In
+    add and joint, b_g is a constant (its init, 0 by default) that weighs the retrieved side by
+    e^b_g; memory_off sets it to -1e9. A query with no valid memory (its document's first
+    segment) keeps its local result."""
+    b = gate_bias[None, :, None]  # [1, H, 1]
+    if config.memory_combine == "gate":  # Eq. (2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g)
+        share = jax.nn.sigmoid(b)
+    elif config.memory_combine == "add":  # the gateless V_a = V_m + V_c of Sec. 4.6's study
+        share = jnp.exp(jax.lax.stop_gradient(b))
+    else:  # joint: the retrieved pairs' share of one softmax over [retrieved; local], from lse
+        share = jax.nn.sigmoid(lse[0] + jax.lax.stop_gradient(b) - lse[1])  # Z_m / (Z_m + Z_c)
+    share = (share * has_memory)[..., None]  # [B, H, T, 1]
+    return mem_out * share + out * (1 if config.memory_combine == "add" else 1 - share)
 
 
 # ------------------------------------------------------------------------ Sec. 3.1: the ring buffer
 def write_memory(mem, new, pos, write, axis):
-    """FIFO ring buffer append: row b writes new[b] at slot pos[b] along `axis` (counted after
-    B) where write[b], and leaves its slots as they are elsewhere. M and pos are multiples of T,
-    so a write never wraps around."""
+    """FIFO ring buffer append: row b writes new[b] at slot pos[b] along `axis` (after B) where
+    write[b]. M and pos are multiples of T, so a write never wraps around."""
 
     def write_row(row, row_new, row_pos, row_write):
         old = jax.lax.dynamic_slice_in_dim(row, row_pos, row_new.shape[axis], axis=axis)
@@ -376,10 +405,9 @@ def clear_rows(mem, reset):
 
 
 def commit_memory(state, reset, clear=clear_rows):
-    """Clear the rows that start a document and append the pending segment to the others; a row
-    whose last segment was all padding appends nothing, so padding never costs a slot. Returns
-    the state with the new memory. Sec. 3.1 retrieves, then appends; the append waits for the
-    next call, which searches the same memory, so that XLA writes it in place (deviation 5)."""
+    """Clear the rows that start a document, append the pending segment to the others (none if
+    all padding: padding never costs a slot). Sec. 3.1 retrieves, then appends; the append waits
+    for the next call, which searches the same memory, so XLA writes it in place (deviation 5)."""
     keep = ~reset.astype(bool)  # [B]
     append = keep & jnp.any(state.pending_valid, axis=1)  # [B]
     mem_k = write_memory(clear(state.mem_k, ~keep), state.pending_k, state.mem_pos, append, 2)
@@ -442,14 +470,12 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         out = ops.local_attention(q, local_k, local_v, key_valid, p["rel_bias"], scale, c)
         if i in c.active_memory_layers:
             j = c.active_memory_layers.index(i)
-            mem_out, has_memory, slots, weights = knn_attention(
+            mem_out, has_memory, mem_lse, slots, weights = knn_attention(
                 q, state.mem_k[:, j], state.mem_v[:, j], state.mem_valid, scale, c, ops
-            )  # [B, H, T, D], [B, H, T], [B, H, T, K] twice
-            # Eqs. (1)-(2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g) per head. A query
-            # with no valid memory (its document's first segment) keeps its local result.
-            g = jax.nn.sigmoid(p["gate_bias"])[None, :, None]  # [1, H, 1]
-            g = (has_memory * g)[..., None]  # [B, H, T, 1]
-            out = (mem_out * g + out * (1 - g)).astype(dt)  # [B, H, T, D]
+            )  # [B, H, T, D], [B, H, T] twice, [B, H, T, K] twice
+            local = local_logits(q, local_k, key_valid, p["rel_bias"], scale, c)  # [B, H, T, S]
+            lse = (mem_lse, masked_logsumexp(*local))  # joint's only: XLA drops them elsewhere
+            out = combine(out, mem_out, has_memory, p["gate_bias"], lse, c).astype(dt)
             pending_k.append(jax.lax.stop_gradient(k))  # to the memory at the next call
             pending_v.append(jax.lax.stop_gradient(v))
             retrievals.append({"slots": slots, "weights": weights})
@@ -476,17 +502,7 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     if c.active_memory_layers:
         state = state._replace(pending_k=stack(pending_k, state.pending_k),
                                pending_v=stack(pending_v, state.pending_v), pending_valid=mask)
-    if return_retrievals:
-        return logits, state, retrievals
-    return logits, state
-
-
-def check_tokens(tokens, vocab_size):
-    """A clear error for token ids outside [0, vocab_size): never clipped silently."""
-    tokens = np.asarray(tokens)
-    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
-    first = int(bad[0]) if bad.size else 0
-    check(not bad.size, f"token id {first} is out of range for vocab_size {vocab_size}.")
+    return (logits, state, retrievals) if return_retrievals else (logits, state)
 
 
 def cross_entropy(logits, targets):
@@ -497,17 +513,8 @@ def cross_entropy(logits, targets):
     return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
-def loss(logits, targets, mask):
-    """Mean cross-entropy over the unmasked tokens."""
-    m = mask.astype(jnp.float32)
-    return jnp.sum(cross_entropy(logits, targets) * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
 def memory_off(params):
-    """The memory-off ablation: the same weights with every gate forced to 0 (local only)."""
-    layers = []
-    for p in params["layers"]:
-        if "gate_bias" in p:
-            p = dict(p, gate_bias=jnp.full_like(p["gate_bias"], -1e9))
-        layers.append(p)
+    """The memory-off ablation: the same weights with every b_g at -1e9 (local only)."""
+    layers = [dict(p, gate_bias=jnp.full_like(p["gate_bias"], -1e9)) if "gate_bias" in p else p
+              for p in params["layers"]]
     return dict(params, layers=layers)

@@ -852,6 +852,13 @@ def train_parser():
         help="storage of the memory and XL cache (default: the same as --dtype)",
     )
     p.add_argument(
+        "--memory-combine",
+        choices=["gate", "add", "joint"],
+        help="how the kNN and the local results mix: gate (Eqs. 1-2, the paper's), add (their "
+        "sum, the gateless form of Sec. 4.6's study), joint (one softmax over the retrieved and "
+        "the local pairs)",
+    )
+    p.add_argument(
         "--attention",
         choices=["explicit", "fused"],
         help="local attention: explicit einsums and "

@@ -781,3 +781,13 @@ def test_a_repository_with_one_dominant_directory_is_split_a_level_down_and_by_t
                 len(d.text) + sum(len(v.text) for v in valid) > 2 * fraction * total for d in train
             )
         )
+
+
+@pytest.mark.parametrize("bad", [-1, 512])
+def test_check_tokens_names_the_first_out_of_range_id(bad):
+    """forward leaves the range to its callers (training, evaluation), which call check_tokens."""
+    tokens = np.zeros((2, 32), np.int32)
+    data.check_tokens(tokens, 512)
+    tokens[1, 3] = bad
+    with pytest.raises(ValueError, match=f"token id {bad} is out of range"):
+        data.check_tokens(tokens, 512)

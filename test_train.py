@@ -341,6 +341,16 @@ def test_the_curves_evaluations_score_curve_tokens_and_the_final_one_whole_docum
     assert json.loads((tmp_path / "r" / "eval.json").read_text())["tokens"] == whole
 
 
+def test_memory_combine_is_a_flag_kept_in_the_run_and_its_ablation_turns_the_memory_off(
+    tmp_path, cache
+):
+    assert run(tmp_path / "r", cache, "--steps", "2", "--memory-combine", "joint") == 0
+    config = json.loads((tmp_path / "r" / "config.json").read_text())["config"]
+    ev = json.loads((tmp_path / "r" / "eval.json").read_text())
+    assert config["memory_combine"] == "joint"
+    assert ev["loss"] != ev["loss_memory_off"]
+
+
 def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tmp_path, cache):
     assert run(tmp_path / "nomem", cache, "--steps", "2", "--memory-size", "0") == 0
     assert run(tmp_path / "mem", cache, "--steps", "2") == 0

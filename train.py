@@ -411,7 +411,7 @@ def train_run(args, given):
             t_log, tokens_since = time.time(), 0
             while step < config.steps:
                 batch = next(stream)
-                mt.check_tokens(batch["tokens"], config.vocab_size)
+                data.check_tokens(batch["tokens"], config.vocab_size)
                 inputs = place(model_inputs(batch))
                 params, opt_state, state, metrics = train_step(params, opt_state, state, inputs)
                 step += 1
@@ -457,8 +457,7 @@ def train_run(args, given):
                 f.write(json.dumps(eval_record(step, result)) + "\n")
             runs.atomic_write(os.path.join(out, "eval.json"), runs.json_text(result))
         print(
-            f"{format_eval(step, result)} | "
-            f"{time.time() - t_start:.0f} s total | {out}/eval.json",
+            f"{format_eval(step, result)} | {time.time() - t_start:.0f} s total | {out}/eval.json",
             flush=True,
         )
         return 0
