@@ -817,10 +817,26 @@ def get_tokenizer(docs, vocab_size, cache_dir, key, seed=0):
     return train_tokenizer(docs, vocab_size, path, seed), path
 
 
+ENCODE_CHARS = 1 << 22  # a longer document is encoded a piece at a time (bounded memory)
+
+
+def newline_pieces(text, size):
+    """text in pieces of at most `size` characters, each cut after a newline where one is."""
+    start = 0
+    while start < len(text):
+        end = text.rfind("\n", start, start + size) + 1 if len(text) - start > size else len(text)
+        end = end if end > start else start + size  # a line longer than size: cut inside it
+        yield text[start:end]
+        start = end
+
+
 def encode_document(sp, doc):
-    """ids int32 [N] and, for synthetic documents, is_reference bool [N]."""
+    """ids int32 [N] and, for synthetic documents, is_reference bool [N]. A long text is encoded
+    in pieces cut after newlines: "\n" is a piece of its own, so the ids are the same."""
     if not doc.parts:
-        ids = np.asarray(sp.encode(doc.text), np.int32)
+        pieces = newline_pieces(doc.text, ENCODE_CHARS)
+        ids = np.concatenate([np.asarray(sp.encode(t), np.int32) for t in pieces] or [[]])
+        ids = ids.astype(np.int32)
         return ids, np.zeros(len(ids), bool)
     pieces = sp.encode([t for t, _ in doc.parts])  # each part alone: a reference is whole tokens
     return (

@@ -1,10 +1,13 @@
 """data.py: the batching invariants against explicit bookkeeping, sources, tokenizer, bad input."""
 
+import functools
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -539,6 +542,39 @@ def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
     tokens2, refs2 = data.tokenize(docs, sp, str(tmp_path / "c.npz"))  # from the cache
     for a, b in zip(tokens + refs, tokens2 + refs2):
         np.testing.assert_array_equal(a, b)
+
+
+@functools.cache
+def small_tokenizer():
+    """A 300-piece tokenizer of texts of a, b, space, tab, newline and é."""
+    rng = random.Random(0)
+    texts = ["".join(rng.choice("ab \t\né") for _ in range(3000)) for _ in range(4)]
+    docs = [data.Document(f"d{i}", t) for i, t in enumerate(texts)]
+    return data.train_tokenizer(docs, 300, os.path.join(tempfile.mkdtemp(), "t.model"))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    lines=st.lists(st.text(alphabet="ab \t\né", max_size=12), min_size=1, max_size=40),
+    size=st.integers(1, 20),
+)
+def test_a_long_document_is_encoded_in_pieces_with_the_ids_of_one_piece(lines, size):
+    """newline_pieces cuts after newlines ("\n" is a piece of its own, so encoding the pieces gives
+    the whole text's ids), inside a line only when the line is longer than a piece."""
+    text = "\n".join(lines)
+    pieces = list(data.newline_pieces(text, size))
+    assert "".join(pieces) == text and all(0 < len(p) <= size for p in pieces)
+    assert all(p.endswith("\n") or len(p) == size for p in pieces[:-1])
+    sp = small_tokenizer()
+    whole = np.asarray(sp.encode(text), np.int32)
+    old, data.ENCODE_CHARS = data.ENCODE_CHARS, size
+    try:
+        ids, refs = data.encode_document(sp, data.Document("d", text))
+    finally:
+        data.ENCODE_CHARS = old
+    if all(p.endswith("\n") for p in pieces[:-1]):
+        np.testing.assert_array_equal(ids, whole)
+    assert ids.dtype == np.int32 and not refs.any() and sp.decode(ids.tolist()) == text
 
 
 @pytest.mark.parametrize("text", ["ab cd ", "ab\ncd\tef é\n"])
