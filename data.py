@@ -817,7 +817,8 @@ def get_tokenizer(docs, vocab_size, cache_dir, key, seed=0):
     return train_tokenizer(docs, vocab_size, path, seed), path
 
 
-ENCODE_CHARS = 1 << 22  # a longer document is encoded a piece at a time (bounded memory)
+ENCODE_CHARS = 1 << 22  # a longer text is encoded a piece at a time
+ENCODE_BATCH = 1 << 24  # characters encoded at once: SentencePiece's lists take ~40 bytes a token
 
 
 def newline_pieces(text, size):
@@ -830,13 +831,32 @@ def newline_pieces(text, size):
         start = end
 
 
+def encode_texts(sp, texts):
+    """The ids int32 of each text, encoded on every core in batches of pieces cut after newlines
+    ("\n" is a piece of its own, so the ids are the whole text's), in bounded memory."""
+    ids = [[] for _ in texts]
+    batch, owners, size = [], [], 0
+
+    def flush():
+        for i, piece in zip(owners, sp.encode(batch, num_threads=os.cpu_count() or 1)):
+            ids[i].append(np.asarray(piece, np.int32))
+        batch.clear(), owners.clear()
+
+    for i, text in enumerate(texts):
+        for piece in newline_pieces(text, ENCODE_CHARS):
+            batch.append(piece), owners.append(i)
+            size += len(piece)
+            if size >= ENCODE_BATCH:
+                flush()
+                size = 0
+    flush()
+    return [np.concatenate(p) if p else np.zeros(0, np.int32) for p in ids]
+
+
 def encode_document(sp, doc):
-    """ids int32 [N] and, for synthetic documents, is_reference bool [N]. A long text is encoded
-    in pieces cut after newlines: "\n" is a piece of its own, so the ids are the same."""
+    """ids int32 [N] and, for synthetic documents, is_reference bool [N]."""
     if not doc.parts:
-        pieces = newline_pieces(doc.text, ENCODE_CHARS)
-        ids = np.concatenate([np.asarray(sp.encode(t), np.int32) for t in pieces] or [[]])
-        ids = ids.astype(np.int32)
+        ids = encode_texts(sp, [doc.text])[0]
         return ids, np.zeros(len(ids), bool)
     pieces = sp.encode([t for t, _ in doc.parts])  # each part alone: a reference is whole tokens
     return (
@@ -867,12 +887,8 @@ def tokenize(docs, sp, cache_path=None):
         # noqa: BLE001  (a truncated zip, a bad array, ...: whatever np.load raises)
         except Exception:
             print(f"note: the token cache {cache_path} cannot be read; tokenizing again.")
-    plain = [d.text for d in docs if not d.parts]
-    plain = iter(sp.encode(plain, num_threads=os.cpu_count() or 1)) if plain else iter(())
-    encoded = [
-        encode_document(sp, d) if d.parts else (np.asarray(next(plain), np.int32), None)
-        for d in docs
-    ]
+    plain = iter(encode_texts(sp, [d.text for d in docs if not d.parts]))
+    encoded = [encode_document(sp, d) if d.parts else (next(plain), None) for d in docs]
     encoded = [(t, np.zeros(len(t), bool) if r is None else r) for t, r in encoded]
     encoded = [(t, r) for t, r in encoded if len(t) >= 2]
     if cache_path:

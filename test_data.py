@@ -560,21 +560,27 @@ def small_tokenizer():
 )
 def test_a_long_document_is_encoded_in_pieces_with_the_ids_of_one_piece(lines, size):
     """newline_pieces cuts after newlines ("\n" is a piece of its own, so encoding the pieces gives
-    the whole text's ids), inside a line only when the line is longer than a piece."""
+    the whole text's ids), inside a line only when the line is longer than a piece; encode_texts
+    encodes them a few at a time, each text's pieces joined in order."""
     text = "\n".join(lines)
     pieces = list(data.newline_pieces(text, size))
     assert "".join(pieces) == text and all(0 < len(p) <= size for p in pieces)
     assert all(p.endswith("\n") or len(p) == size for p in pieces[:-1])
     sp = small_tokenizer()
-    whole = np.asarray(sp.encode(text), np.int32)
-    old, data.ENCODE_CHARS = data.ENCODE_CHARS, size
+    texts = [text, "", text[::-1]]
+    saved = data.ENCODE_CHARS, data.ENCODE_BATCH
+    data.ENCODE_CHARS, data.ENCODE_BATCH = size, 2 * size
     try:
-        ids, refs = data.encode_document(sp, data.Document("d", text))
+        got = data.encode_texts(sp, texts)
     finally:
-        data.ENCODE_CHARS = old
-    if all(p.endswith("\n") for p in pieces[:-1]):
-        np.testing.assert_array_equal(ids, whole)
-    assert ids.dtype == np.int32 and not refs.any() and sp.decode(ids.tolist()) == text
+        data.ENCODE_CHARS, data.ENCODE_BATCH = saved
+    for ids, t in zip(got, texts):
+        assert ids.dtype == np.int32 and sp.decode(ids.tolist()) == t
+        cut_in_lines = any(
+            len(p) == size and not p.endswith("\n") for p in data.newline_pieces(t, size)
+        )
+        if not cut_in_lines:
+            np.testing.assert_array_equal(ids, np.asarray(sp.encode(t), np.int32))
 
 
 @pytest.mark.parametrize("text", ["ab cd ", "ab\ncd\tef é\n"])
