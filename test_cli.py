@@ -1152,21 +1152,21 @@ def test_an_empty_mt_cache_is_unset(monkeypatch):
 
 
 def test_fewer_layers_than_the_presets_memory_layer_asks_for_memory_layers(tmp_path, cache, capsys):
-    """tiny's memory is in layer 2: `--num-layers 2` alone was refused with "memory layer index
-    2 is out of range for 2 layers", a flag the user never gave."""
+    """tiny's memory is in layer 1: `--num-layers 1` alone was refused with "memory layer index
+    1 is out of range for 1 layers", a flag the user never gave."""
     for extra in (
         [],
         ["--memory-size", "0"],
     ):  # (a run without memory keeps the layer for a later --memory-size)
         argv = (
             TINY_FAST
-            + ["--num-layers", "2", "--out", str(tmp_path / "r"), "--cache-dir", cache]
+            + ["--num-layers", "1", "--out", str(tmp_path / "r"), "--cache-dir", cache]
             + extra
         )
         code, _, err = call("train", argv, capsys)
         assert_refused(code, err, argv)
         assert (
-            "the tiny preset's memory layer 2 is out of range for --num-layers 2; give "
+            "the tiny preset's memory layer 1 is out of range for --num-layers 1; give "
             "--memory-layers too" in err
         )
     assert os.listdir(tmp_path) == []
@@ -1399,11 +1399,11 @@ def test_a_table_row_is_reused_only_if_it_is_this_rows_run_and_whole(
     # ... nor one of another setting that the table has no flag for (the model's size, ...)
     saved = (row / "config.json").read_bytes()
     other = json.loads(saved)
-    other["config"].update(num_layers=2, memory_layers=[1])
+    other["config"].update(num_layers=4, memory_layers=[2])
     (row / "config.json").write_text(json.dumps(other))
     code, _, err = call("evaluate", argv, capsys)
     assert_refused(code, err, argv)
-    assert "holds a run of other settings (--num-layers 4 here, 2 there)" in err
+    assert "holds a run of other settings (--num-layers 2 here, 4 there)" in err
     (row / "config.json").write_bytes(saved)
     assert snapshot(tmp_path) == before
     (row / "eval.json").write_text('{"step": 2, "perplexity": 3')

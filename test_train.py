@@ -182,7 +182,16 @@ def test_the_previous_token_prior_sets_only_distance_1_in_half_the_first_layers_
 
 def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
     args = runs.train_parser().parse_args(
-        ["--preset", "tiny", "--memory-layers", "1,3", "--init-gate-bias", "-2"]
+        [
+            "--preset",
+            "tiny",
+            "--num-layers",
+            "4",
+            "--memory-layers",
+            "1,3",
+            "--init-gate-bias",
+            "-2",
+        ]
     )
     c = runs.config_from_args(args)
     params = mt.init_params(c, jax.random.PRNGKey(0))
@@ -194,7 +203,7 @@ def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
             )
             assert layer["gate_bias"].dtype == np.float32
     assert (
-        mt.init_params(mt.PRESETS["tiny"], jax.random.PRNGKey(0))["layers"][2]["gate_bias"].tolist()
+        mt.init_params(mt.PRESETS["tiny"], jax.random.PRNGKey(0))["layers"][1]["gate_bias"].tolist()
         == [0.0] * 4
     )
 
@@ -560,6 +569,8 @@ def smoke_run(tmp_path_factory):
             "synthetic:40",
             "--steps",
             "10",
+            "--warmup-steps",
+            "5",
             "--log-every",
             "5",
             "--out",
