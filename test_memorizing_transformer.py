@@ -543,12 +543,7 @@ def test_the_add_and_joint_combines_equal_their_dense_references(params, combine
     b_g random."""
     cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, memory_combine=combine)
     params = randomize(params, 7)
-    segments = 2 * cfg.memory_size // cfg.segment_length + 2
-    tokens = random_tokens(14, cfg, 2, segments)
-    mask = padded_document_mask(cfg, segments)
-    got, _ = stream(params, tokens, cfg, ops=ops, mask=mask)
-    want = reference_forward(params, np.asarray(tokens), cfg, mask=mask)
-    np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=2e-4, rtol=2e-4)
+    tokens, mask, want = streamed_with_padding_and_eviction(params, cfg, ops, 14)
     gate = reference_forward(
         params, np.asarray(tokens), cfg.replace(memory_combine="gate"), mask=mask
     )
@@ -577,6 +572,19 @@ def test_two_memory_layers_each_equal_dense_attention_to_earlier_segments(ops):
     )
 
 
+def streamed_with_padding_and_eviction(params, cfg, ops, seed):
+    """Twice the memory's length plus two segments of random tokens, padded as padded_document_mask
+    says, streamed through forward and held to reference_forward on the valid positions. Returns
+    the tokens, the mask and the reference's logits."""
+    segments = 2 * cfg.memory_size // cfg.segment_length + 2
+    tokens = random_tokens(seed, cfg, 2, segments)
+    mask = padded_document_mask(cfg, segments)
+    got, _ = stream(params, tokens, cfg, ops=ops, mask=mask)
+    want = reference_forward(params, np.asarray(tokens), cfg, mask=mask)
+    np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=2e-4, rtol=2e-4)
+    return tokens, mask, want
+
+
 def padded_document_mask(config, segments):
     """Row 0: a full memory, then an all-padding segment, then a partly padded one, then more;
     row 1: a partly padded segment early. [2, segments * T] bool."""
@@ -599,13 +607,7 @@ def test_memory_streaming_with_padding_and_eviction_equals_the_reference(params,
     K = SMALL.memory_size if exact else 2
     cfg = SMALL.replace(exact_topk=exact, num_neighbors=K)
     assert exact or mt.bin_layout(K, cfg.memory_size, cfg.topk_recall_target)[1] > 1
-    params = randomize(params, 6)
-    segments = 2 * cfg.memory_size // cfg.segment_length + 2
-    tokens = random_tokens(12, cfg, 2, segments)
-    mask = padded_document_mask(cfg, segments)
-    got, _ = stream(params, tokens, cfg, ops=ops, mask=mask)
-    want = reference_forward(params, np.asarray(tokens), cfg, mask=mask)
-    np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=2e-4, rtol=2e-4)
+    streamed_with_padding_and_eviction(randomize(params, 6), cfg, ops, 12)
 
 
 @OPS
