@@ -312,12 +312,14 @@ def alternate_rows(
     drifts, steadier than a ratio of medians taken minutes apart."""
     rows = {m: row_step(preset, batch, m, dtype, memory_dtype, attention, ops)[1:] for m in sizes}
     times = {m: [] for m in sizes}
-    for _ in range(rounds + 2):
+    for r in range(rounds + 2):
         for m, (step, a) in rows.items():
             t0 = time.perf_counter()
             a[0], a[1], a[2], metrics = step(*a)
             jax.block_until_ready(metrics)
             times[m].append(time.perf_counter() - t0)
+        if r == 0:  # every row's step is compiled
+            startup.fill_heap_holes()
     base = 0 if 0 in sizes else sizes[0]
     out = {}
     for m in sizes:
@@ -365,6 +367,7 @@ def run_row(
     )  # compile + first step
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    startup.fill_heap_holes()  # as train.py does after its first step
     times = []
     for _ in range(steps + 1):  # one more warm-up step, then the timed ones
         t0 = time.perf_counter()

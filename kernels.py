@@ -302,14 +302,20 @@ def _largest_divisor_at_most(n, cap):
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
-def memory_search(q, mem_k, mem_valid, scale, config):
+# The binned search's batch rows go in blocks whose winners fit in this many bytes: on a CPU, so
+# that the winners, read and written by every piece, stay in the caches; elsewhere all at once.
+WINNERS_BYTES = {"cpu": 2**21}
+
+
+def memory_search(q, mem_k, mem_valid, scale, config, batch_block=None):
     """mt.memory_search with the memory scored a piece of at most memory_chunk slots at a time.
     Exact: each piece's top-k are candidates for the top-k of all. Binned: the memory seen as
     [rows, L], a piece is whole rows (or part of one), scored as keys x queries [slots, T] (the
     keys read as stored), and each bin's best score so far is kept with its row packed in one
     int32 (_pack); then the top-k of the L winners, ranked with the bin in their low log2(L)
     bits: float32 scores to 23 - log2(L) mantissa bits (equal beyond that: the lower bin first),
-    bfloat16 ones to all. The scores returned are the packed ones."""
+    bfloat16 ones to all. The scores returned are the packed ones. batch_block: the batch rows
+    searched at a time (None: as WINNERS_BYTES allows); the answer does not depend on it."""
     B, H, M, D = mem_k.shape
     T, K, chunk = q.shape[2], config.num_neighbors, config.memory_chunk
     qs = jax.lax.stop_gradient(mt.scale_queries(q, scale))  # [B, H, T, D]
@@ -341,30 +347,42 @@ def memory_search(q, mem_k, mem_valid, scale, config):
     bits = rows.bit_length() - 1
     W = _largest_divisor_at_most(L, chunk)  # bins a piece
     R = _largest_divisor_at_most(rows, chunk // W)  # rows a piece
-    keys, valid = mem_k.reshape(B, H, rows, L, D), mem_valid.reshape(B, rows, L)
+    keys = mem_k.reshape(B, H, rows, L, D)
+    valid = mem_valid.reshape(B, rows, L)
+    if batch_block is None:
+        budget = WINNERS_BYTES.get(backend())
+        batch_block = B if budget is None else max(1, budget // (H * L * T * 4))
+    n = _largest_divisor_at_most(B, batch_block)  # batch rows a block
 
-    def best_so_far(best, c):  # best [B, H, L, T]: each bin's best packed key so far
-        r, w = (c % (rows // R)) * R, (c // (rows // R)) * W  # the piece's first row and bin
-        piece = jax.lax.dynamic_slice(keys, (0, 0, r, w, 0), (B, H, R, W, D)).astype(qs.dtype)
-        s = jnp.einsum(
-            "bhrwd,bhtd->bhrwt", piece, qs, preferred_element_type=qs.dtype
-        )  # [B, H, R, W, T]
-        s = jnp.where(
-            jax.lax.dynamic_slice(valid, (0, r, w), (B, R, W))[:, None, :, :, None], s, NEG_INF
-        )
-        code = (
-            rows - 1 - r - jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)
-        )  # of equal scores the lower row wins
-        new = jnp.max(_pack(s, code, bits), axis=2)  # [B, H, W, T]
-        old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=2)
-        return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=2), None
+    def search_rows(b):  # batch rows b .. b + n - 1
+        qb = jax.lax.dynamic_slice_in_dim(qs, b, n)  # [n, H, T, D]
 
-    start = jnp.full((B, H, L, T), jnp.iinfo(jnp.int32).min, jnp.int32)
-    best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
-    best = jnp.swapaxes(best, 2, 3)  # [B, H, T, L]
-    pos = _key_bin(top_k(_bin_keys(best), K), L)  # [B, H, T, K] the winners' bins
-    vals, code = _unpack(jnp.take_along_axis(best, pos, axis=-1), bits)
-    return vals, (rows - 1 - code) * L + pos
+        def best_so_far(best, c):  # best [n, H, L, T]: each bin's best packed key so far
+            r = (c % (rows // R)) * R  # the piece's first row
+            w = (c // (rows // R)) * W  # and its first bin
+            piece = jax.lax.dynamic_slice(keys, (b, 0, r, w, 0), (n, H, R, W, D))
+            piece = piece.astype(qs.dtype)  # [n, H, R, W, D]
+            s = jnp.einsum("bhrwd,bhtd->bhrwt", piece, qb, preferred_element_type=qs.dtype)
+            piece_valid = jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W))  # [n, R, W]
+            s = jnp.where(piece_valid[:, None, :, :, None], s, NEG_INF)  # [n, H, R, W, T]
+            row = r + jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)
+            code = rows - 1 - row  # of equal scores the lower row wins
+            new = jnp.max(_pack(s, code, bits), axis=2)  # [n, H, W, T]
+            old = jax.lax.dynamic_slice_in_dim(best, w, W, axis=2)
+            best = jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=2)
+            return best, None
+
+        start = jnp.full((n, H, L, T), jnp.iinfo(jnp.int32).min, jnp.int32)
+        best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
+        best = jnp.swapaxes(best, 2, 3)  # [n, H, T, L]
+        pos = _key_bin(top_k(_bin_keys(best), K), L)  # [n, H, T, K] the winners' bins
+        vals, code = _unpack(jnp.take_along_axis(best, pos, axis=-1), bits)
+        return vals, (rows - 1 - code) * L + pos
+
+    if n == B:
+        return search_rows(0)
+    vals, slots = jax.lax.map(search_rows, jnp.arange(0, B, n))  # [B // n, n, H, T, K] each
+    return vals.reshape(B, H, T, K), slots.reshape(B, H, T, K)
 
 
 # --------------------------------------------------------------- attention over the retrieved pairs

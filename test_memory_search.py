@@ -4,6 +4,7 @@ packed with its row in one int32, the top-k in passes on a CPU), each against nu
 explicit loops over the slots; and the binned search's recall against the exact one.
 """
 
+import functools
 import math
 
 import jax
@@ -17,7 +18,11 @@ import memorizing_transformer as mt
 from test_memorizing_transformer import SETTINGS, SMALL, heads_first, np_unit
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
-SEARCHES = {"plain": mt.memory_search, "kernel": kernels.memory_search}
+SEARCHES = {
+    "plain": mt.memory_search,
+    "kernel": kernels.memory_search,
+    "kernel_by_row": functools.partial(kernels.memory_search, batch_block=1),  # batch row by row
+}
 
 
 def search(name, q, mk, valid, cfg):

@@ -56,6 +56,46 @@ def test_malloc_keeps_large_blocks_in_a_fresh_process_unless_turned_off():
     assert off == ["False", "False", "False"]  # mapped apart, as glibc does by default
 
 
+# Freed blocks of 1 MiB among blocks in use: holes that a 1 MiB request is served from, unless
+# fill_heap_holes took them, when the heap must grow for it.
+HOLES = """
+import ctypes, startup
+libc = ctypes.CDLL(None)
+libc.sbrk.restype = libc.malloc.restype = ctypes.c_void_p
+libc.sbrk.argtypes, libc.free.argtypes = [ctypes.c_long], [ctypes.c_void_p]
+libc.malloc.argtypes = [ctypes.c_size_t]
+blocks = [libc.malloc(size) for size in [1 << 20, 64] * 32]
+for block in blocks[::2]:
+    libc.free(block)
+def from_a_hole():
+    end = libc.sbrk(0)
+    block = libc.malloc(1 << 20)
+    grown = libc.sbrk(0) != end
+    libc.free(block)
+    return not grown
+before = from_a_hole()
+taken = startup.fill_heap_holes()
+print(before, taken > 0, from_a_hole())
+"""
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
+    reason="the setting is for Linux with glibc; elsewhere it is a no-op",
+)
+def test_fill_heap_holes_takes_the_freed_blocks_so_a_request_grows_the_heap_unless_turned_off():
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("MT_DEFAULT_MALLOC", "GLIBC_TUNABLES")
+    }
+    runs = {}
+    for name, env in (("on", clean), ("off", dict(clean, MT_DEFAULT_MALLOC="1"))):
+        probe = [sys.executable, "-c", HOLES]
+        done = subprocess.run(probe, cwd=HERE, env=env, capture_output=True, text=True, timeout=60)
+        runs[name] = done.stdout.split()
+    assert runs["on"] == ["True", "True", "False"]  # a hole served it; after the fill, none did
+    assert runs["off"][1] == "False"  # glibc's own malloc: nothing taken
+
+
 def test_startup_comes_before_jax_in_every_script():
     """The settings act on the allocations that follow them: each script imports startup first
     (and the test session before JAX)."""

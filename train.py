@@ -255,9 +255,12 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
     memory = config.memory_size if band_memory is None else band_memory
     bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
     total, count, full, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, 0, [], [], [], []
-    for batch in data.SegmentBatches(docs, rows, config.segment_length, epochs=1):
+    batches = data.SegmentBatches(docs, rows, config.segment_length, epochs=1)
+    for i, batch in enumerate(batches):
         state, ce, _, _ = eval_step(params, state, model_inputs(batch))
         ce = np.asarray(ce, np.float64)
+        if i == 0:  # the step is compiled (if it was not before): take the compiler's holes
+            startup.fill_heap_holes()
         total, count = total + float(ce.sum()), count + int(batch["mask"].sum())
         for b in range(rows):
             n = int(batch["mask"][b].sum())
@@ -416,6 +419,8 @@ def train_run(args, given):
                 params, opt_state, state, metrics = train_step(params, opt_state, state, inputs)
                 step += 1
                 metrics = multihost.gather(metrics)
+                if step == run.step + 1:  # compiled: the heap is full of the compiler's holes
+                    startup.fill_heap_holes()
                 if not metrics["finite"]:  # a non-finite loss, or weights that overflowed
                     runs.say(
                         f"error: the loss or the weights became non-finite at step {step}; "
