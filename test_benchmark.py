@@ -12,7 +12,6 @@ import jax
 import pytest
 
 import benchmark
-import memorizing_transformer as mt
 from conftest import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1010,7 +1010,7 @@ def test_by_default_whole_documents_are_scored_so_a_larger_memory_changes_the_pe
     flags = ["--data", str(tmp_path / "corpus"), "--vocab-size", "512", "--steps", "1"]
     flags += ["--segment-length", "128", "--memory-size", "128", "--batch-size", "2"]
     flags += ["--num-layers", "2", "--memory-layers", "1", "--num-neighbors", "8"]
-    flags += ["--d-model", "32", "--num-heads", "2", "--head-dim", "16", "--d-ff", "64"]
+    flags += ["--d-model", "32", "--num-heads", "1", "--head-dim", "32", "--d-ff", "64"]
     flags += ["--exact-topk", "--init-gate-bias", "3"]  # the retrieved values weigh 0.95
     flags += ["--valid-fraction", "0.3", "--out", str(out), "--cache-dir", str(tmp_path / "c")]
     assert train.main(flags) == 0

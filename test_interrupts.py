@@ -16,7 +16,6 @@ import time
 import pytest
 
 import runs
-import train
 from conftest import child_env
 from test_train import FAST, HERE, ending
 
