@@ -136,7 +136,7 @@ PRESETS = {
                         init_prev_token_bias=6.0),
 }
 # A 2-core CPU, minutes: the real-text recipe whose memory helps most (README, "Real text").
-PRESETS["tiny"] = PRESETS["synthetic"].replace(steps=3000)
+PRESETS["tiny"] = PRESETS["synthetic"].replace(steps=5000)
 
 
 # ----------------------------------------------------------------------------- state and parameters
