@@ -37,8 +37,9 @@ import jax  # noqa: E402  (after the environment above)
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first
 
 # pytest.ini runs the suite in two processes (pytest-xdist, --dist loadgroup): one takes the tests
-# whose work is a whole command in a process of its own (these fixtures), the other every other
-# test, so that each program the in-process tests share is compiled once.
+# whose work is a whole command in a process of its own (these fixtures, or the mark "commands":
+# a long test that shares no program), the other every other test, so that each program the
+# in-process tests share is compiled once.
 COMMAND_FIXTURES = {
     "smoke_run",
     "three_runs_with_a_cache_dir",
@@ -59,7 +60,7 @@ COMMAND_FIXTURES = {
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
-        commands = COMMAND_FIXTURES & set(item.fixturenames)
+        commands = COMMAND_FIXTURES & set(item.fixturenames) or item.get_closest_marker("commands")
         item.add_marker(pytest.mark.xdist_group("commands" if commands else "in-process"))
 
 

@@ -993,6 +993,7 @@ def test_every_evaluation_reports_each_bands_loss_with_the_memory_off_beside_it(
         assert {"far_repeat_tokens", "near_repeat_tokens", "new_tokens"} <= set(json.load(f))
 
 
+@pytest.mark.commands  # a whole run and four evaluations of its own
 def test_by_default_whole_documents_are_scored_so_a_larger_memory_changes_the_perplexity(
     tmp_path, capsys
 ):
