@@ -31,7 +31,7 @@ def fill_heap_holes(smallest=2**10, largest=2**26):
     """After a compile, with keep_malloc_blocks in force: take every free block of at least
     `smallest` bytes in the one heap for good, so that a step's allocations come from the heap's
     top and from the blocks the step frees itself, not from a search through the compiler's
-    holes (the tiny step was about 12% slower without it). malloc_trim first gives the holes'
+    holes, which slowed the tiny step measurably. malloc_trim first gives the holes'
     pages back, so the blocks cost no resident memory. Call it between steps. Returns the count."""
     if not MALLOC_KEPT:
         return 0
