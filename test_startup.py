@@ -9,6 +9,27 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ON_GLIBC = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
+    reason="the setting is for Linux with glibc; elsewhere it is a no-op",
+)
+
+
+def probe(code, **extra):
+    """The words `code` prints in a fresh process, without the session's malloc variables (and
+    with `extra`'s)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MT_DEFAULT_MALLOC", "GLIBC_TUNABLES")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=HERE,
+        env=dict(env, **extra),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.split()
+
 
 # A 64 MiB block: glibc maps it apart (mmap) by default, and unmaps it when freed; with the
 # settings, it comes from the heap (sbrk), which keeps it when freed.
@@ -26,32 +47,10 @@ print(startup.MALLOC_KEPT, grown >= 64 << 20, kept >= 64 << 20)
 """
 
 
-@pytest.mark.skipif(
-    sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
-    reason="the setting is for Linux with glibc; elsewhere it is a no-op",
-)
+@ON_GLIBC
 def test_malloc_keeps_large_blocks_in_a_fresh_process_unless_turned_off():
-    clean = {
-        k: v for k, v in os.environ.items() if k not in ("MT_DEFAULT_MALLOC", "GLIBC_TUNABLES")
-    }
-    on = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=HERE,
-        env=clean,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout.split()
-    off = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=HERE,
-        env=dict(clean, MT_DEFAULT_MALLOC="1"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout.split()
+    on = probe(PROBE)
+    off = probe(PROBE, MT_DEFAULT_MALLOC="1")
     assert on == ["True", "True", "True"]  # from the heap, and kept there when freed
     assert off == ["False", "False", "False"]  # mapped apart, as glibc does by default
 
@@ -79,19 +78,9 @@ print(before, taken > 0, from_a_hole())
 """
 
 
-@pytest.mark.skipif(
-    sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
-    reason="the setting is for Linux with glibc; elsewhere it is a no-op",
-)
+@ON_GLIBC
 def test_fill_heap_holes_takes_the_freed_blocks_so_a_request_grows_the_heap_unless_turned_off():
-    clean = {
-        k: v for k, v in os.environ.items() if k not in ("MT_DEFAULT_MALLOC", "GLIBC_TUNABLES")
-    }
-    runs = {}
-    for name, env in (("on", clean), ("off", dict(clean, MT_DEFAULT_MALLOC="1"))):
-        probe = [sys.executable, "-c", HOLES]
-        done = subprocess.run(probe, cwd=HERE, env=env, capture_output=True, text=True, timeout=60)
-        runs[name] = done.stdout.split()
+    runs = {"on": probe(HOLES), "off": probe(HOLES, MT_DEFAULT_MALLOC="1")}
     assert runs["on"] == ["True", "True", "False"]  # a hole served it; after the fill, none did
     assert runs["off"][1] == "False"  # glibc's own malloc: nothing taken
 
