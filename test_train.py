@@ -358,6 +358,8 @@ def test_memory_combine_is_a_flag_kept_in_the_run_and_its_ablation_turns_the_mem
     ev = json.loads((tmp_path / "r" / "eval.json").read_text())
     assert config["memory_combine"] == "joint"
     assert ev["loss"] != ev["loss_memory_off"]
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert not [k for l in lines for k in json.loads(l) if k.startswith("gate")]  # b_g: no gate
 
 
 def test_init_from_loads_weights_into_a_larger_memory_and_into_a_memory_model(tmp_path, cache):
@@ -602,6 +604,7 @@ def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(smoke_run):
         "loss"
     ] < 7.0  # falling from ln(2048) = 7.6 at the start
     assert "step     10 | loss" in proc.stdout
+    assert all(0 < l["gate_1"] < 1 for l in lines if "loss" in l) and " g1 0." in proc.stdout
 
 
 @pytest.fixture(scope="session")

@@ -202,7 +202,8 @@ def make_train_step(config, ops=kernels.FAST):
             jnp.array([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)])
         )
         metrics = {"loss": total / n, "tokens": n, "finite": finite}
-        for i in config.active_memory_layers:
+        gated = config.active_memory_layers if config.memory_combine == "gate" else ()
+        for i in gated:  # in add and joint, b_g is a constant, not a gate
             metrics[f"gate_{i}"] = jnp.mean(jax.nn.sigmoid(params["layers"][i]["gate_bias"]))
         if config.active_memory_layers:
             metrics["memory_fill"] = jnp.mean(state.mem_valid)
