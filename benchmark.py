@@ -1,14 +1,14 @@
 """What the memory costs: step time against memory size, next to the arithmetic floor.
 
   python benchmark.py                          # tiny preset, M = 0, 8192, 65536
-  python benchmark.py --rounds 21 --steps 15   # also: ratios from steps called in turn
+  python benchmark.py --rounds 21 --timed-steps 15   # also: ratios from steps called in turn
   python benchmark.py --ops plain              # the model's plain pieces, not kernels.FAST
   python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --attention fused
   python benchmark.py --search --memory-sizes 8192,65536   # the memory search alone
   python benchmark.py --peer /tmp/peer/bin/python --repeats 3   # against lucidrains' peer
 
 Each memory size runs in its own process (so that peak memory is that row's own), compiles the
-jitted train step, warms up, and reports the median of --steps timed steps. A second table times
+jitted train step, warms up, and reports the median of --timed-steps steps. A second table times
 the forward pass, and in the no-memory row the loss's gradient against its forward pass.
 
 The floor: training FLOPs with the memory over those without, counting what the memory must add and
@@ -21,7 +21,6 @@ import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leav
 if __name__ == "__main__":
     startup.leave_on_early_signals()
 
-import argparse
 import collections
 import functools
 import glob
@@ -40,14 +39,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cli
+import corpora
+import evaluation
 import kernels
 import memorizing_transformer as mt
+import optimizer
+import presets
 import runs
 import train
 
 # Dense bf16 peak of the cards this was meant for (vendor figures, without sparsity).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-OPS = {"fast": kernels.FAST, "plain": mt.PLAIN}
+OPS = ("fast", "plain")  # --ops: kernels.fast with the config's knobs, or the model file's pieces
+
+
+def ops_of(c, name):
+    return kernels.fast(c.memory_chunk, c.attention) if name == "fast" else mt.PLAIN
 
 
 def train_flops(c, batch, memory_size):
@@ -276,7 +284,7 @@ def row_step(
 ):
     """One memory size's config, jitted train step and its arguments (params, optimizer state, model
     state, a batch of random tokens; the same seeds in every row)."""
-    c = mt.PRESETS[preset].replace(
+    c = presets.PRESETS[preset].replace(
         memory_size=memory_size,
         batch_size=batch,
         grad_accum=1,
@@ -298,8 +306,8 @@ def row_step(
     }
     return (
         c,
-        train.make_train_step(train.step_config(c), OPS[ops]),
-        [params, train.make_optimizer(c)[0](params), mt.init_state(c, batch), batch_arrays],
+        train.make_train_step(evaluation.step_config(c), ops_of(c, ops)),
+        [params, optimizer.make_optimizer(c)[0](params), mt.init_state(c, batch), batch_arrays],
     )
 
 
@@ -386,7 +394,7 @@ def run_row(
         hlo = step.lower(params, opt_state, state, batch_arrays).compile().as_text()
         table, buffers = profile_steps(run_step, steps, hlo, profile_dir, f"M{memory_size}")
         profile = {"ops": table[:15], "largest_buffers": buffers}
-    forward = functools.partial(mt.forward, config=c, ops=OPS[ops])
+    forward = functools.partial(mt.forward, config=c, ops=ops_of(c, ops))
     fwd = jax.jit(
         lambda p, s: forward(p, s, tokens, jnp.zeros(batch, bool)), donate_argnums=1
     )  # memory in place
@@ -423,7 +431,7 @@ def run_row(
         "grad_over_forward": grad_s and grad_s / loss_s,
         "tokens_per_s": batch * c.segment_length / step_s,
         "peak_bytes": peak,
-        "recall": measure_recall(c, memory_size, OPS[ops].memory_search),
+        "recall": measure_recall(c, memory_size, ops_of(c, ops).memory_search),
         "train_flops": train_f,
         "forward_flops": fwd_f,
         "compile_s": compile_s,
@@ -447,7 +455,7 @@ def time_search(c, batch, memory_size, steps):
     """The search alone, at the preset's shapes on random unit keys: the median seconds of each form
     over `steps` calls in turn (kernels.memory_search, the plain mt.memory_search, and the exact
     top-k), the binned answer's recall, and the share of slots on which the two binned forms
-    agree. Also the search's last stage alone, the top-k of each query's L bins' winners, by
+    agree. Also the search's last stage alone, the top-k of each query's G bins' winners, by
     lax.top_k and in passes (kernels.top_k_in_passes, a CPU's way), which must agree."""
     H, T, D, K = c.num_heads, c.segment_length, c.head_dim, c.num_neighbors
     unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
@@ -460,17 +468,17 @@ def time_search(c, batch, memory_size, steps):
     )  # [B, H, M, D]
     valid, scale = jnp.ones((batch, memory_size), bool), jnp.ones((H,), jnp.float32)
     forms = {
-        "kernel": (kernels.memory_search, c),
+        "kernel": (kernels.fast(c.memory_chunk).memory_search, c),
         "plain": (mt.memory_search, c),
-        "exact": (kernels.memory_search, c.replace(exact_topk=True)),
+        "exact": (kernels.fast(c.memory_chunk).memory_search, c.replace(exact_topk=True)),
     }
     fns = {
         name: jax.jit(lambda q, k, f=f, cfg=cfg: f(q, k, valid, scale, cfg)[1])
         for name, (f, cfg) in forms.items()
     }
-    L = mt.bin_layout(K, memory_size, c.topk_recall_target)[0]
+    G = mt.bin_layout(K, memory_size, c.topk_recall_target)[0]
     winners = kernels._bin_keys(
-        kernels._pack(jax.random.normal(kw, (batch, H, T, L), jnp.float32), 0, 0)
+        kernels._pack(jax.random.normal(kw, (batch, H, T, G), jnp.float32), 0, 0)
     )
     topks = {
         "lax": jax.jit(lambda x: jax.lax.top_k(x, K)[0]),
@@ -492,7 +500,7 @@ def time_search(c, batch, memory_size, steps):
         "memory_size": memory_size,
         "search_s": {name: median[name] for name in fns},
         "top_k_s": {name: median["top_k_" + name] for name in topks},
-        "bins": L,
+        "bins": G,
         "recall": recall(out["kernel"], out["exact"]),
         "same_slots": float(np.mean(out["kernel"] == out["plain"])),
         "top_k_same": float(np.mean(out["top_k_lax"] == out["top_k_passes"])),
@@ -505,13 +513,13 @@ def search_table(args, base, batch, sizes):
     c = base.replace(
         batch_size=batch, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype
     )
-    rows = [time_search(c.replace(memory_size=m), batch, m, args.steps) for m in sizes if m]
+    rows = [time_search(c.replace(memory_size=m), batch, m, args.timed_steps) for m in sizes if m]
     print(
         f"device: {rows[0]['device']} | preset {args.preset}: the memory search alone, one memory "
         f"layer: B {batch}, "
         f"H {c.num_heads}, T {c.segment_length}, D {c.head_dim}, k {c.num_neighbors}, queries "
         f"{args.dtype}, memory "
-        f"in {c.storage_dtype}, median of {args.steps} calls of each form in turn"
+        f"in {c.storage_dtype}, median of {args.timed_steps} calls of each form in turn"
     )
     print(
         f"\n{'memory':>8} {'bins':>6} {'kernel ms':>10} {'plain ms':>9} {'exact ms':>9} "
@@ -581,7 +589,7 @@ def json_or_error(result, what):
     code, stdout, stderr = result
     if code:
         last = (stderr.strip().splitlines() or ["no message"])[-1]
-        runs.say(f"error: {what} failed (exit code {code}): {last}")
+        cli.say(f"error: {what} failed (exit code {code}): {last}")
         return None, 130 if code == 130 else 1
     return json.loads(stdout.strip().splitlines()[-1]), 0
 
@@ -614,7 +622,7 @@ def time_rows(args, common, sizes, rows, env):
         ahead, code = compile_ahead(common, sizes, args.compile_jobs, env)
         if code:
             return code
-        runs.say(
+        cli.say(
             f"compiled ahead: {len(sizes)} rows' train steps in {time.perf_counter() - t0:.0f} s, "
             f"{min(args.compile_jobs, len(sizes))} at a time"
         )
@@ -628,7 +636,7 @@ def time_rows(args, common, sizes, rows, env):
             return code
         row["compiled_ahead_s"] = ahead.get(m)
         rows.append(row)
-        runs.say(
+        cli.say(
             f"row {m}: step {row['step_s']:.4f} s, peak {row['peak_bytes'] / 2**20:.0f} MiB, "
             "compiled in "
             f"{row['compile_s']:.0f} s" + (f" (ahead: {ahead[m]:.0f} s)" if m in ahead else "")
@@ -652,7 +660,7 @@ def time_rows(args, common, sizes, rows, env):
             return code
         for r in rows:
             r.update(paired[str(r["memory_size"])])
-        runs.say(f"alternated: {runs.plural(args.rounds, 'round')}")
+        cli.say(f"alternated: {corpora.plural(args.rounds, 'round')}")
     return 0
 
 
@@ -719,7 +727,8 @@ def peer_table(args, common, sizes):
         )
         for m in sizes if not skip else ():
             row, code = json_or_error(
-                run_child([args.peer, PEER, str(m), str(args.steps)], env), f"the peer's row {m}"
+                run_child([args.peer, PEER, str(m), str(args.timed_steps)], env),
+                f"the peer's row {m}",
             )
             if code:
                 return code
@@ -729,8 +738,9 @@ def peer_table(args, common, sizes):
         lambda x, spec: "-" if x is None else format(x, spec),
     )
     print(
-        f"{ours_runs[0][sizes[0]]['device']}, medians of {runs.plural(args.steps, 'step')} and of "
-        f"{runs.plural(args.repeats, 'repeat')}"
+        f"{ours_runs[0][sizes[0]]['device']}, medians of "
+        f"{corpora.plural(args.timed_steps, 'step')} and of "
+        f"{corpora.plural(args.repeats, 'repeat')}"
         + (
             ""
             if skip
@@ -773,139 +783,36 @@ def peer_table(args, common, sizes):
 
 # ----------------------------------------------------------------------------- the command
 def build_parser():
-    p = runs.Parser(description=__doc__.split("\n\n")[0], formatter_class=runs.HelpFormatter)
-    p.add_argument(
-        "--preset", choices=sorted(mt.PRESETS), default="tiny", help="model config to time"
+    p = cli.parser(__doc__)
+    cli.add(p, ["--preset"])
+    cli.add(p, ["--batch-size"], unset="the preset's")
+    cli.add(p, ["--memory-sizes", "--timed-steps", "--dtype"], DEFAULTS)
+    cli.add(p, ["--memory-dtype"])
+    cli.add(
+        p, ["--attention", "--ops", "--json", "--profile", "--train-only", "--search"], DEFAULTS
     )
-    p.add_argument(
-        "--batch-size", type=runs.positive_int, help="batch rows (preset's value if unset)"
-    )
-    p.add_argument(
-        "--memory-sizes",
-        default="0,8192,65536",
-        help="comma-separated memory sizes; 0 = no memory (the baseline)",
-    )
-    p.add_argument(
-        "--steps", type=runs.positive_int, default=5, help="timed steps per row (median reported)"
-    )
-    p.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="activation precision"
-    )
-    p.add_argument(
-        "--memory-dtype",
-        choices=["float32", "bfloat16"],
-        help="storage of the memory and XL cache (default: the same as --dtype)",
-    )
-    p.add_argument(
-        "--attention",
-        choices=["explicit", "fused"],
-        default="explicit",
-        help="local attention "
-        "(fused: jax.nn.dot_product_attention, cuDNN's kernel on a GPU with bfloat16)",
-    )
-    p.add_argument(
-        "--ops",
-        choices=sorted(OPS),
-        default="fast",
-        help="the model's pieces: kernels.FAST, or the plain "
-        "ones of memorizing_transformer.py (what the kernels buy)",
-    )
-    p.add_argument(
-        "--json",
-        type=runs.path_arg,
-        help="write the rows to this file as a list of objects" + runs.REPLACED,
-    )
-    p.add_argument(
-        "--profile",
-        type=runs.path_arg,
-        metavar="DIR",
-        help="also trace --steps steps of each row; print "
-        "the XLA operations that took the most time and the largest arrays the step's operations "
-        "write, "
-        "and keep the trace, the HLO and the tables in DIR",
-    )
-    p.add_argument(
-        "--train-only",
-        action="store_true",
-        help="time the train step only: no forward-pass or gradient "
-        "table (three programs fewer to compile per row)",
-    )
-    p.add_argument(
-        "--search",
-        action="store_true",
-        help="time the memory search alone, in its forms (the kernel's "
-        "and the plain binned search, and the exact one), with the binned answer's recall, and its "
-        "final "
-        "top-k alone, by lax.top_k and in passes; memory size 0 is skipped",
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=0,
-        help="also call every row's train step in turn in one process for "
-        "this many rounds, and give each row's median ratio to the no-memory step of the same "
-        "round "
-        "(`paired`; steadier on a shared machine than `ratio`); 0: not done",
-    )
-    p.add_argument(
-        "--compile-jobs",
-        type=runs.positive_int,
-        default=1,
-        help="first compile every row's train step, "
-        "this many rows at a time in parallel processes, into a JAX compilation cache that the "
-        "timed rows "
-        "then load from (for a GPU, where a paper row compiles for minutes)",
-    )
-    p.add_argument(
-        "--peer",
-        type=runs.path_arg,
-        metavar="PYTHON",
-        help="also time lucidrains' "
-        "memorizing-transformers-pytorch in this Python (peer_benchmark.py) and give the "
-        "side-by-side "
-        "table; tiny preset, float32",
-    )
-    p.add_argument(
-        "--repeats",
-        type=runs.positive_int,
-        default=1,
-        help="with --peer: both sides this many times in "
-        "turn, each ratio taken within a repeat, the medians reported",
-    )
-    p.add_argument(
-        "--row", type=int, help=argparse.SUPPRESS
-    )  # internal: measure one row in this process
-    p.add_argument(
-        "--compile-only", action="store_true", help=argparse.SUPPRESS
-    )  # internal: compile --row's step
-    p.add_argument(
-        "--alternate", action="store_true", help=argparse.SUPPRESS
-    )  # internal: --rounds in this process
+    cli.add(p, ["--rounds", "--compile-jobs", "--peer", "--repeats"])
+    cli.add(p, ["--row", "--compile-only", "--alternate"])  # internal: a row in this process
     return p
 
 
+DEFAULTS = {"--memory-sizes": "0,8192,65536", "--dtype": "float32", "--attention": "explicit"}
+
+
 def main(argv=None):
-    return runs.run_main(build_parser(), benchmark, argv)
+    return cli.run_main(build_parser(), benchmark, argv)
 
 
-def memory_sizes(text, base, batch, dtype):
-    """--memory-sizes as a list of ints, each a size this preset, batch and dtype can run (a
-    UsageError otherwise): every size is checked before any row runs."""
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise runs.UsageError(
-            f"--memory-sizes must be comma-separated integers, got {text!r}."
-        ) from None
-    if not sizes:
-        raise runs.UsageError("--memory-sizes is empty.")
+def memory_sizes(sizes, base, batch, dtype):
+    """--memory-sizes, each a size this preset, batch and dtype can run (a UsageError otherwise):
+    every size is checked before any row runs."""
     if len(set(sizes)) < len(sizes):  # rows are named by their size
-        raise runs.UsageError(f"--memory-sizes names a size twice: {text!r}.")
+        raise cli.UsageError(f"--memory-sizes names a size twice: {','.join(map(str, sizes))}.")
     for m in sizes:
         try:
             config = base.replace(memory_size=m, batch_size=batch, grad_accum=1, dtype=dtype)
         except ValueError as e:
-            raise runs.UsageError(f"--memory-sizes {m}: {e}") from None
+            raise cli.UsageError(f"--memory-sizes {m}: {e}") from None
         runs.check_fits(config, batch)
     return sizes
 
@@ -930,30 +837,30 @@ def check_flags(args, sizes):
             if o != flag and getattr(args, o) != default
         ]
         if getattr(args, flag) and others:
-            raise runs.UsageError(f"{what}: it cannot be combined with {others[0]}.")
+            raise cli.UsageError(f"{what}: it cannot be combined with {others[0]}.")
     if args.rounds < 0:
-        raise runs.UsageError(f"--rounds must be 0 or more, got {args.rounds}.")
+        raise cli.UsageError(f"--rounds must be 0 or more, got {args.rounds}.")
     if args.search and not any(sizes):
-        raise runs.UsageError("--search needs a memory size above 0 in --memory-sizes.")
+        raise cli.UsageError("--search needs a memory size above 0 in --memory-sizes.")
     if args.peer and (args.preset, args.batch_size or 8, args.dtype) != ("tiny", 8, "float32"):
-        raise runs.UsageError(
+        raise cli.UsageError(
             "--peer times the tiny preset's step (batch 8, float32) beside the peer's."
         )
     if args.peer and shutil.which(args.peer) is None:
-        raise runs.UsageError(f"--peer {args.peer} is not a program that can be run.")
+        raise cli.UsageError(f"--peer {args.peer} is not a program that can be run.")
     if args.repeats > 1 and not args.peer:
-        raise runs.UsageError("--repeats goes with --peer.")
+        raise cli.UsageError("--repeats goes with --peer.")
 
 
 def benchmark(args):
-    base = mt.PRESETS[args.preset]
+    base = presets.PRESETS[args.preset]
     batch = args.batch_size or base.batch_size
     sizes = memory_sizes(args.memory_sizes, base, batch, args.dtype)
     check_flags(args, sizes)
     setting = (args.dtype, args.memory_dtype)
     if args.alternate:
         if not args.rounds:
-            raise runs.UsageError("--alternate (internal) needs --rounds above 0.")
+            raise cli.UsageError("--alternate (internal) needs --rounds above 0.")
         rows = alternate_rows(
             args.preset, batch, sizes, args.rounds, *setting, args.attention, args.ops
         )
@@ -975,7 +882,7 @@ def benchmark(args):
                         args.preset,
                         batch,
                         args.row,
-                        args.steps,
+                        args.timed_steps,
                         *setting,
                         args.profile,
                         args.attention,
@@ -987,7 +894,7 @@ def benchmark(args):
             or 0
         )
     if args.json:
-        runs.check_output_file(args.json, "json", caches=[runs.default_cache()])
+        runs.check_output_file(args.json, "json", caches=[cli.cache_dir()])
     if args.profile:
         runs.check_writable_dir(args.profile, "--profile")
         os.makedirs(args.profile, exist_ok=True)
@@ -1000,8 +907,8 @@ def benchmark(args):
         args.preset,
         "--batch-size",
         str(batch),
-        "--steps",
-        str(args.steps),
+        "--timed-steps",
+        str(args.timed_steps),
         "--dtype",
         args.dtype,
         "--attention",
@@ -1061,7 +968,7 @@ def print_rows(args, c, batch, rows):
         f"{c.d_model}, "
         f"T {c.segment_length}, batch {batch}, k {c.num_neighbors}, {args.dtype}, memory in "
         f"{rows[-1]['memory_dtype']}, {args.attention} attention, {args.ops} ops, median of "
-        f"{runs.plural(args.steps, 'step')}"
+        f"{corpora.plural(args.timed_steps, 'step')}"
     )
     fmt = lambda x, spec=".3f": "-" if x is None else format(x, spec)
     print("\ntrain step")
@@ -1099,7 +1006,8 @@ def print_rows(args, c, batch, rows):
     )
     if args.rounds:
         print(
-            f"paired: median over {runs.plural(args.rounds, 'round')}, the rows' steps called in "
+            f"paired: median over {corpora.plural(args.rounds, 'round')}, the rows' steps called "
+            "in "
             "turn in one process, "
             "of each step's time over the no-memory step's in the same round (min, max); /floor: "
             "paired over floor"
@@ -1138,4 +1046,4 @@ def print_rows(args, c, batch, rows):
 
 
 if __name__ == "__main__":
-    runs.exit_with(main())
+    cli.exit_with(main())

@@ -3,10 +3,10 @@
   python evaluate.py perplexity RUN_DIR [--memory-size M] [--json FILE]
   python evaluate.py compare RUN_DIR --memory-sizes A,B [--doc N] --csv FILE [--plot FILE.png]
   python evaluate.py inspect RUN_DIR [--doc N] [--top 10]
-  python evaluate.py explore RUN_DIR [--doc N] --out page.html
+  python evaluate.py explore RUN_DIR [--doc N] --html page.html
   python evaluate.py recall RUN_DIR [--memory-size M] [--dtype bfloat16]
   python evaluate.py reach RUN_DIR [--distances 1024,61440] [--memory-sizes 512,65536]
-  python evaluate.py finetune [--steps 1500] [--finetune-steps 500] [--out-root runs/finetune]
+  python evaluate.py finetune [--pretrain-steps 1500] [--finetune-steps 500] [--out-root DIR]
   python evaluate.py table [--data ...] [--steps N] [--seeds N] [--out-root DIR]
 
 Every perplexity of a memory model comes with its memory-off ablation: the same weights with
@@ -33,8 +33,12 @@ import time
 import jax
 import numpy as np
 
+import cli
+import corpora
 import data
+import evaluation
 import memorizing_transformer as mt
+import presets
 import runs
 import train
 
@@ -53,14 +57,14 @@ def load_run(run_dir, memory_size=None):
         except (
             ValueError
         ) as e:  # the flag named: the config's words alone (num_neighbors, ...) are the run's
-            raise runs.UsageError(
+            raise cli.UsageError(
                 f"memory size {memory_size} does not fit the run in {run_dir}: {e}"
             ) from None
     runs.check_fits(config, 1)
     tokenizer = os.path.join(run_dir, "tokenizer.model")
     sp = data.load_tokenizer(tokenizer)
     if sp.get_piece_size() > config.vocab_size:
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"{tokenizer} has {sp.get_piece_size()} pieces, more than the run's vocab_size "
             f"{config.vocab_size}: it is not the run's tokenizer."
         )
@@ -70,7 +74,7 @@ def load_run(run_dir, memory_size=None):
         None,
         data.file_hash(tokenizer),
     ):  # (a checkpoint from before has none)
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"{tokenizer} is not the tokenizer the run in {run_dir} was trained with (its "
             "checkpoint "
             f"records another): its ids would mean other words; restore the run's own."
@@ -102,16 +106,16 @@ def validation_docs(args, run_args, sp, config):
     if not args.data:
         runs.check_run_data_here(run_args["data"])
     source = args.data or run_args["data"]
-    own = data.same_source(source, run_args["data"])
+    own = corpora.same_source(source, run_args["data"])
     fmt = args.data_format or (run_args["data_format"] if own else "auto")
-    suffixes = data.parse_suffixes(run_args.get("suffixes")) if own else None
-    docs = data.load_documents(source, fmt, seed=0, verbose=False, suffixes=suffixes)
+    suffixes = corpora.parse_suffixes(run_args.get("suffixes")) if own else None
+    docs = corpora.load_documents(source, fmt, seed=0, verbose=False, suffixes=suffixes)
     _, valid = data.split_documents(docs, run_args["valid_fraction"], seed=0)
     tokens, refs = data.tokenize(valid, sp)
     shortest = run_args.get("min_doc_tokens") or 0
     kept = [(t, r) for t, r in zip(tokens, refs) if len(t) >= shortest]
     if not kept:
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"no validation document of {source!r} has the run's --min-doc-tokens {shortest}."
         )
     for t, _ in kept:
@@ -122,27 +126,13 @@ def validation_docs(args, run_args, sp, config):
         else None
     )
     if known and data.fingerprint([t for t, _ in kept]) != known:
-        runs.say(
+        cli.say(
             f"note: the validation documents of {source} are not those of the run's checkpoint "
             "(the corpus, or "
             "the run's tokenizer, changed since): these numbers are for the documents as they are "
             "now."
         )
     return [t for t, _ in kept], [r for _, r in kept]
-
-
-def per_token_loss(params, config, doc):
-    """Cross-entropy of every prediction of one document, from its start with a fresh memory:
-    a float array of len(doc) - 1, and the retrievals of each segment."""
-    step = train.make_forward_step(train.step_config(config), retrievals=True)
-    state = mt.init_state(config, 1)
-    losses, retrievals = [], []
-    for batch in data.SegmentBatches([doc], 1, config.segment_length, epochs=1):
-        state, ce, _, ret = step(params, state, train.model_inputs(batch))
-        n = int(batch["mask"].sum())
-        losses.append(np.asarray(ce[0, :n]))
-        retrievals.append(jax.tree.map(np.asarray, ret))
-    return np.concatenate(losses), retrievals
 
 
 # ----------------------------------------------------------------------------- subcommands
@@ -164,18 +154,17 @@ def cmd_perplexity(args):
     result = {
         "memory_size": config.memory_size,
         "exact_topk": config.exact_topk,
-        **train.full_evaluation(
+        **evaluation.full_evaluation(
             params,
             config,
             docs,
             distances,
-            train.make_forward_step(train.step_config(config)),
+            evaluation.make_forward_step(evaluation.step_config(config)),
             args.band_memory,
         ),
     }
-    line = (
-        f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {train.scored(result)})"
-    )
+    scored = evaluation.scored(result)
+    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}, {scored})"
     if config.active_memory_layers:
         line += f" | memory off: {result['perplexity_memory_off']:.3f}"
     print(f"memory {config.memory_size}{', exact top-k' if config.exact_topk else ''}: {line}")
@@ -184,7 +173,7 @@ def cmd_perplexity(args):
         (f"{b.replace('_', '-')} tokens", f"{b}_loss", f"{b}_tokens") for b in data.REPEAT_BANDS
     ]
     bands += [("reference tokens (all)", "reference_loss", "reference_tokens")]
-    for b in train.DISTANCE_BANDS:
+    for b in evaluation.DISTANCE_BANDS:
         bands += [(f"reference tokens {b}", f"reference_loss_{b}", f"reference_tokens_{b}")]
     for label, loss, tokens in bands:
         if loss in result:
@@ -201,9 +190,9 @@ def cmd_perplexity(args):
 def _doc(args, run_args, sp, config):
     docs, refs = validation_docs(args, run_args, sp, config)
     if not 0 <= args.doc < len(docs):
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"--doc {args.doc} is out of range: the validation set has "
-            f"{runs.plural(len(docs), 'document')}."
+            f"{corpora.plural(len(docs), 'document')}."
         )
     doc = docs[args.doc][: args.max_tokens + 1] if args.max_tokens else docs[args.doc]
     return doc, refs[args.doc][: len(doc)]
@@ -221,12 +210,10 @@ def token_kind(sp, token):
 
 
 def cmd_compare(args):
-    try:
-        a, b = (int(x) for x in args.memory_sizes.split(","))
-    except ValueError:
-        raise runs.UsageError(
-            f"--memory-sizes takes two integers A,B, got {args.memory_sizes!r}."
-        ) from None
+    if len(args.memory_sizes) != 2:
+        sizes = ",".join(map(str, args.memory_sizes))
+        raise cli.UsageError(f"--memory-sizes takes two sizes A,B for compare, got {sizes}.")
+    a, b = args.memory_sizes
     # Each size has its own parameters: a memory size of 0 has no gates, a memory one needs them.
     config_a, params_a, sp, run_args = load_run(args.run_dir, a)
     config_b, params_b, _, _ = load_run(args.run_dir, b)
@@ -236,8 +223,8 @@ def cmd_compare(args):
         "twice...",
         flush=True,
     )
-    ce_a, _ = per_token_loss(params_a, config_a, doc)
-    ce_b, _ = per_token_loss(params_b, config_b, doc)
+    ce_a, _ = evaluation.per_token_loss(params_a, config_a, doc)
+    ce_b, _ = evaluation.per_token_loss(params_b, config_b, doc)
     delta = ce_a - ce_b  # Sec. 4.6: positive = the memory of size B helped
     kinds = [token_kind(sp, t) for t in doc[1:]]
     window = config_b.segment_length + config_b.cache_length
@@ -288,7 +275,7 @@ def cmd_compare(args):
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            runs.say("matplotlib is not installed: no plot (the CSV and the summary are written).")
+            cli.say("matplotlib is not installed: no plot (the CSV and the summary are written).")
         else:
             fig, ax = plt.subplots(figsize=(12, 3))
             ax.bar(np.arange(1, len(delta) + 1), delta, width=1.0)
@@ -310,10 +297,10 @@ def slot_position(slot, segment, config):
 def cmd_inspect(args):
     config, params, sp, run_args = load_run(args.run_dir)
     if not config.active_memory_layers:
-        raise runs.UsageError(f"{args.run_dir} has no memory to inspect.")
+        raise cli.UsageError(f"{args.run_dir} has no memory to inspect.")
     doc, _ = _doc(args, run_args, sp, config)
-    ce_on, retrievals = per_token_loss(params, config, doc)
-    ce_off, _ = per_token_loss(mt.memory_off(params), config, doc)
+    ce_on, retrievals = evaluation.per_token_loss(params, config, doc)
+    ce_off, _ = evaluation.per_token_loss(mt.memory_off(params), config, doc)
     gain = ce_off - ce_on
     T = config.segment_length
     context = lambda a, b: sp.decode([int(t) for t in doc[max(a, 0) : b]])[-60:]
@@ -350,12 +337,12 @@ def cmd_recall(args):
     which: the memory layer's keys come from the layers below it)."""
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
     if not config.active_memory_layers:
-        raise runs.UsageError(f"{args.run_dir} has no memory.")
+        raise cli.UsageError(f"{args.run_dir} has no memory.")
     if args.dtype:  # e.g. a float32 run's weights with bfloat16 keys, queries and scores
         config = config.replace(dtype=args.dtype, memory_dtype=None)
     doc, _ = _doc(args, run_args, sp, config)
-    _, approx = per_token_loss(params, config.replace(exact_topk=False), doc)
-    _, exact = per_token_loss(params, config.replace(exact_topk=True), doc)
+    _, approx = evaluation.per_token_loss(params, config.replace(exact_topk=False), doc)
+    _, exact = evaluation.per_token_loss(params, config.replace(exact_topk=True), doc)
     K, T = config.num_neighbors, config.segment_length
     hits, total = 0, 0
     for seg, (ra, rx) in enumerate(zip(approx, exact)):
@@ -372,11 +359,11 @@ def cmd_recall(args):
     if not total:
         need = -(-K // T) * T + 1  # the first segment whose queries have K memories, plus a target
         if args.max_tokens and args.max_tokens < need:
-            raise runs.UsageError(
+            raise cli.UsageError(
                 f"--max-tokens {args.max_tokens} is too few: no query had {K} memories to choose "
                 f"from; give at least {need} (k {K}, T {T})."
             )
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"document {args.doc} has {len(doc)} tokens: no query had {K} memories to choose from; "
             f"pick a longer one with --doc."
         )
@@ -414,8 +401,8 @@ def explore_data(params, config, sp, doc, top, run_dir, index):
     predicting it with the memory on and off (as `inspect`), and for each query position,
     per head of the first memory layer, its `top` retrieved memories by attention weight:
     document position and weight in thousandths (-1 and 0 where a slot held nothing)."""
-    ce_on, retrievals = per_token_loss(params, config, doc)
-    ce_off, _ = per_token_loss(mt.memory_off(params), config, doc)
+    ce_on, retrievals = evaluation.per_token_loss(params, config, doc)
+    ce_off, _ = evaluation.per_token_loss(mt.memory_off(params), config, doc)
     T, n = config.segment_length, len(doc) - 1
     pos = np.full((n, config.num_heads, top), -1, np.int64)
     weight = np.zeros((n, config.num_heads, top), np.int64)
@@ -461,16 +448,16 @@ def script_json(value):
 def cmd_explore(args):
     config, params, sp, run_args = load_run(args.run_dir)
     if not config.active_memory_layers:
-        raise runs.UsageError(f"{args.run_dir} has no memory to explore.")
+        raise cli.UsageError(f"{args.run_dir} has no memory to explore.")
     doc, _ = _doc(args, run_args, sp, config)
-    page = explore_data(params, config, sp, doc, args.top, args.run_dir, args.doc)
+    page = explore_data(params, config, sp, doc, args.memories, args.run_dir, args.doc)
     # One self-contained file: the data as JSON, a style sheet and a script; no network.
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.html")) as f:
         template = f.read()
-    runs.write_output(args.out, template.replace("__DATA__", script_json(page)))
+    runs.write_output(args.html, template.replace("__DATA__", script_json(page)))
     s = page["summary"]
     print(
-        f"{args.out}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} "
+        f"{args.html}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} "
         "(memory off "
         f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory"
     )
@@ -484,19 +471,6 @@ TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, 
     ("memory 4T + XL", 4, True),
     ("memory 16T + XL", 16, True),
 ]
-
-
-def positive_ints(text):
-    """An argparse type: comma-separated positive integers, e.g. 512,2048."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"takes positive integers, got {text!r}")
-    if len(set(values)) < len(values):  # each names rows of the result
-        raise argparse.ArgumentTypeError(f"names a value twice: {text!r}")
-    return values
 
 
 def within_reach(key_pos, query_pos, config):
@@ -521,17 +495,22 @@ def cmd_reach(args):
         args.distances
     )  # about: each document is its distance and ~100 tokens more
     if probe_tokens > REACH_MAX_TOKENS:  # (generated in memory before the first row)
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for "
             "about "
             f"{probe_tokens:,} tokens of probe documents; reach makes at most {REACH_MAX_TOKENS:,} "
             f"(its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,})."
         )
+    if min(args.memory_sizes) < 1:
+        raise cli.UsageError("--memory-sizes takes positive sizes for reach: each is a memory.")
+    if len(set(args.memory_sizes)) < len(args.memory_sizes):  # each names rows of the table
+        sizes = ",".join(map(str, args.memory_sizes))
+        raise cli.UsageError(f"--memory-sizes names a value twice: {sizes}.")
     config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0])
     if args.exact_topk is not None:
         config = config.replace(exact_topk=args.exact_topk)
-    if not data.is_synthetic(run_args["data"]):
-        raise runs.UsageError(
+    if not corpora.is_synthetic(run_args["data"]):
+        raise cli.UsageError(
             f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic "
             "task's "
             f"bindings, so it needs a run trained with --data synthetic."
@@ -541,12 +520,13 @@ def cmd_reach(args):
         try:
             configs.append(config.replace(memory_size=m))
         except ValueError as e:
-            raise runs.UsageError(f"--memory-sizes {m}: {e}") from None
+            raise cli.UsageError(f"--memory-sizes {m}: {e}") from None
         runs.check_fits(configs[-1], config.batch_size)
     steps = {
-        m: train.make_forward_step(train.step_config(c)) for m, c in zip(args.memory_sizes, configs)
+        m: evaluation.make_forward_step(evaluation.step_config(c))
+        for m, c in zip(args.memory_sizes, configs)
     }
-    chance = math.log(len(data.SYNTHETIC_VALUES))
+    chance = math.log(len(corpora.SYNTHETIC_VALUES))
     print(
         f"{'distance':>8} {'memory':>7} {'in reach':>9} {'far loss':>9} {'memory off':>11} "
         f"{'tokens':>7} "
@@ -555,13 +535,15 @@ def cmd_reach(args):
     )
     rows = []
     for D in args.distances:
-        docs, refs = data.tokenize(data.synthetic_long_documents(args.docs, D, seed=args.seed), sp)
+        docs, refs = data.tokenize(
+            corpora.synthetic_long_documents(args.docs, D, seed=args.probe_seed), sp
+        )
         for t in docs:
             data.check_tokens(t, config.vocab_size)
         dist = [data.reference_distances(t, r) for t, r in zip(docs, refs)]
         probe_pos = [np.flatnonzero(r) for r in refs]  # the probes' value tokens
         all_dist = np.concatenate([d[p] for d, p in zip(dist, probe_pos)])
-        off = train.evaluate(
+        off = evaluation.evaluate(
             mt.memory_off(params),
             configs[0],
             docs,
@@ -571,7 +553,7 @@ def cmd_reach(args):
         )
         for m, c in zip(args.memory_sizes, configs):
             start = time.perf_counter()
-            r = train.evaluate(params, c, docs, config.batch_size, steps[m], dist)
+            r = evaluation.evaluate(params, c, docs, config.batch_size, steps[m], dist)
             # The key that answers a probe sits at the definition's value token; the query at
             # the token before the probe's value (its name).
             held = np.mean(
@@ -600,8 +582,8 @@ def cmd_reach(args):
             )
     print(
         f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in "
-        f"{runs.plural(args.docs, 'document')} per distance; chance (a uniform guess over the "
-        f"{len(data.SYNTHETIC_VALUES)} values) is "
+        f"{corpora.plural(args.docs, 'document')} per distance; chance (a uniform guess over the "
+        f"{len(corpora.SYNTHETIC_VALUES)} values) is "
         f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) "
         "holds."
     )
@@ -616,27 +598,32 @@ def check_planned_run(out, flags):
     refused, not reported as this one."""
     if not os.path.isfile(os.path.join(out, "config.json")):
         return
-    args, saved = runs.train_parser().parse_args(flags), runs.read_run_config(out)
-    conflict = runs.resume_conflict(args, saved, out, runs.given_flags(flags))
+    args, saved = train.build_parser().parse_args(flags), runs.read_run_config(out)
+    conflict = runs.resume_conflict(args, saved, out, cli.given_flags(train.build_parser, flags))
     if not conflict:  # and the settings no flag names, the preset's: the model's size, ...
-        planned = runs.config_from_args(args)
+        planned = planned_config(args)
         conflict = next(
             (
                 (
                     f"--{f.name.replace('_', '-')} {getattr(planned, f.name)}",
                     getattr(saved["config"], f.name),
                 )
-                for f in dataclasses.fields(mt.Config)
+                for f in dataclasses.fields(presets.RunConfig)
                 if f.name not in runs.RESUME_MAY_CHANGE
                 and getattr(planned, f.name) != getattr(saved["config"], f.name)
             ),
             None,
         )
     if conflict:
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"{out} holds a run of other settings ({conflict[0]} here, {conflict[1]} there); "
             f"choose another --out-root, or remove that run."
         )
+
+
+def planned_config(args):
+    """The config that train.py's parsed flags `args` give a new run (of their --preset)."""
+    return cli.config_from_args(args, presets.PRESETS[args.preset], f"the {args.preset} preset")
 
 
 def cache_flags(args):
@@ -670,13 +657,13 @@ def finished_or_trained(name, out, flags, steps, cache):
 
 
 def cmd_table(args):
-    preset = mt.PRESETS["tiny"]
+    preset = presets.PRESETS["tiny"]
     names = [n for n, _, _ in TABLE_ROWS]
     wanted = names if args.rows is None else [x.strip() for x in args.rows.split(",") if x.strip()]
     if not wanted:
-        raise runs.UsageError(f"--rows {args.rows!r} names no row; choose from {names}.")
+        raise cli.UsageError(f"--rows {args.rows!r} names no row; choose from {names}.")
     if set(wanted) - set(names):
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"unknown --rows {sorted(set(wanted) - set(names))}; choose from {names}."
         )
     T, B = args.segment_length or preset.segment_length, args.batch_size or preset.batch_size
@@ -716,7 +703,7 @@ def cmd_table(args):
                 num_neighbors=args.num_neighbors or preset.num_neighbors,
             )
         except ValueError as e:
-            raise runs.UsageError(f"row {name!r}: {e}") from None
+            raise cli.UsageError(f"row {name!r}: {e}") from None
         runs.check_fits(config, B)
         # Seed 0 keeps the row's directory (the runs of a one-seed table); seed s > 0 goes beside
         # it.
@@ -818,9 +805,9 @@ def eval_curve(run_dir):
 
 def cmd_finetune(args):
     """Sec. 4.4: a model trained without memory learns to use one when fine-tuned with it.
-    Three runs of one preset: without memory for --steps; from it, with memory, for
+    Three runs of one preset: without memory for --pretrain-steps; from it, with memory, for
     --finetune-steps more; and with memory from scratch for the same total."""
-    total = args.steps + args.finetune_steps
+    total = args.pretrain_steps + args.finetune_steps
     common = [
         "--preset",
         args.preset,
@@ -842,11 +829,11 @@ def cmd_finetune(args):
         [],
     )
     try:
-        config = runs.config_from_args(runs.train_parser().parse_args(common))
-    except runs.UsageError as e:
-        raise runs.UsageError(str(e)) from None
+        config = planned_config(train.build_parser().parse_args(common))
+    except cli.UsageError as e:
+        raise cli.UsageError(str(e)) from None
     if not config.memory_size:
-        raise runs.UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
+        raise cli.UsageError(f"preset {args.preset!r} has no memory to fine-tune into.")
     # every setting named, the preset's where a flag is not given: a run of other settings is then
     # refused
     common += [
@@ -872,8 +859,8 @@ def cmd_finetune(args):
         (
             "no memory",
             dirs["no_memory"],
-            common + ["--memory-size", "0", "--steps", str(args.steps)],
-            args.steps,
+            common + ["--memory-size", "0", "--steps", str(args.pretrain_steps)],
+            args.pretrain_steps,
         ),
         (
             "fine-tuned with memory",
@@ -892,7 +879,7 @@ def cmd_finetune(args):
         if isinstance(ev, int):
             return ev
     scratch, before = eval_curve(dirs["memory"]), eval_curve(dirs["no_memory"])
-    shift = args.steps if args.fresh_start else 0
+    shift = args.pretrain_steps if args.fresh_start else 0
     tuned = {
         **before,
         **{s + shift: r for s, r in eval_curve(dirs["fine_tuned"]).items()},
@@ -900,14 +887,14 @@ def cmd_finetune(args):
     # column -> metrics key: the reference losses by distance band (synthetic data), else the loss
     cols = {
         b: f"reference_loss_{b}"
-        for b in train.DISTANCE_BANDS
+        for b in evaluation.DISTANCE_BANDS
         if any(f"reference_loss_{b}" in r for r in scratch.values())
     } or {"loss": "eval_loss"}
     fmt = lambda rec, c: "-" if rec is None or cols[c] not in rec else f"{rec[cols[c]]:.3f}"
     print(
         "\nloss on the references by distance (synthetic data), or validation loss; fine-tuning "
         "starts after step "
-        f"{args.steps}"
+        f"{args.pretrain_steps}"
     )
     print(
         f"{'step':>6} | "
@@ -929,7 +916,7 @@ def cmd_finetune(args):
                 "step": step,
                 "memory_from_scratch": a,
                 "fine_tuned": b,
-                "fine_tuned_has_memory": step > args.steps,
+                "fine_tuned_has_memory": step > args.pretrain_steps,
             }
         )
     summary = os.path.join(args.out_root, f"{tuned_dir.replace('fine_tuned', 'finetune')}.json")
@@ -937,7 +924,7 @@ def cmd_finetune(args):
         summary,
         runs.json_text(
             {
-                "steps": args.steps,
+                "steps": args.pretrain_steps,
                 "finetune_steps": args.finetune_steps,
                 "fresh_start": args.fresh_start,
                 "runs": dirs,
@@ -948,228 +935,70 @@ def cmd_finetune(args):
     return 0
 
 
+COMMANDS = {  # each command's one line in --help, and its flags (rows of cli.FLAGS)
+    "perplexity": "validation perplexity, with and without memory",
+    "compare": "per-token loss difference between two memory sizes (Sec. 4.6)",
+    "inspect": "what the memory retrieves for the tokens it helps most (Tables 6-8)",
+    "explore": """an HTML page of a document: each token shaded by how much the memory lowered its
+        loss, and what its prediction retrieved (Fig. 7, Appendix B)""",
+    "recall": "recall of the approximate top-k on a trained model's real queries and keys",
+    "reach": """Sec. 4.4: far-reference loss by distance and memory size, on synthetic documents
+        with references D tokens back (the needle test), for a run trained on --data synthetic;
+        --json holds a row per distance and memory size""",
+    "finetune": """Sec. 4.4: train without memory, fine-tune with it, and compare with memory from
+        scratch for the same total steps; --out-root gets no_memory, fine_tuned (or
+        fine_tuned_fresh_start), memory and finetune.json (or finetune_fresh_start.json)""",
+    "table": "Table 1 in miniature: the tiny model in the paper's rows",
+}
+OF_RUN = ["--data", "--data-format"]  # a trained run's, unless given
+OF_DOC = ["--doc", "--max-tokens"]
+OF_PRESET = ["--segment-length", "--batch-size", "--num-neighbors"]
+
+
 def build_parser():
-    p = runs.Parser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    positive, count = runs.positive_int, runs.count
-
-    def with_run(name, help):
-        s = sub.add_parser(name, help=help, formatter_class=runs.HelpFormatter)
-        s.add_argument("run_dir", type=runs.path_arg, help="a train.py output directory")
-        s.add_argument("--data", type=runs.path_arg, help="corpus (default: the run's own)")
-        s.add_argument(
-            "--data-format",
-            choices=["auto", "repo", "repo-deps", "text", "jsonl"],
-            help="as in train.py (default: the run's own)",
-        )
-        return s
-
-    s = with_run("perplexity", "validation perplexity, with and without memory")
-    s.add_argument(
-        "--memory-size", type=count, help="evaluate with this memory size (default: the run's)"
-    )
-    s.add_argument(
-        "--eval-docs", type=positive, help="validation documents (default: the run's --eval-docs)"
-    )
-    s.add_argument(
-        "--eval-tokens",
-        type=count,
-        help="tokens from each document's start, 0 = whole (default: the run's; train.py's is 0)",
-    )
-    s.add_argument(
-        "--exact-topk",
-        action=argparse.BooleanOptionalAction,
-        help="exact top-k, or the binned approximate top-k (default: the run's)",
-    )
-    s.add_argument(
-        "--band-memory",
-        type=count,
-        help="the repeat bands by the reach of a memory of this many slots (default: the "
-        "evaluated memory's), so that an XL-only run is scored on a memory run's far-repeat tokens",
-    )
-    s.add_argument("--json", type=runs.path_arg, help="write the result here" + runs.REPLACED)
-    s = with_run("compare", "per-token loss difference between two memory sizes (Sec. 4.6)")
-    s.add_argument("--memory-sizes", required=True, help="A,B: delta = CE_A - CE_B")
-    s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument(
-        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
-    )
-    s.add_argument(
-        "--csv", type=runs.path_arg, required=True, help="per-token output" + runs.REPLACED
-    )
-    s.add_argument(
-        "--plot",
-        type=runs.path_arg,
-        help="a PNG of delta per token (needs matplotlib)" + runs.REPLACED,
-    )
-    s = with_run("inspect", "what the memory retrieves for the tokens it helps most (Tables 6-8)")
-    s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument(
-        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
-    )
-    s.add_argument("--top", type=positive, default=10, help="tokens to show")
-    s = with_run(
-        "explore",
-        "an HTML page of a document: each token shaded by how much the memory lowered its "
-        "loss, and what its prediction retrieved (Fig. 7, Appendix B)",
-    )
-    s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument(
-        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
-    )
-    s.add_argument("--top", type=positive, default=4, help="memories kept per query and head")
-    s.add_argument(
-        "--out", type=runs.path_arg, required=True, help="the HTML file to write" + runs.REPLACED
-    )
-    s = with_run(
-        "recall", "recall of the approximate top-k on a trained model's real queries and keys"
-    )
-    s.add_argument(
-        "--memory-size", type=count, help="evaluate with this memory size (default: the run's)"
-    )
-    s.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        help="run the model, store the memory and score "
-        "the search in this dtype, the exact top-k too (default: the run's)",
-    )
-    s.add_argument("--doc", type=count, default=0, help="validation document index")
-    s.add_argument(
-        "--max-tokens", type=count, default=8192, help="tokens from the document's start (0 = all)"
-    )
-    s.add_argument("--json", type=runs.path_arg, help="write the result here" + runs.REPLACED)
-    s = sub.add_parser(
-        "reach",
-        help="Sec. 4.4: far-reference loss by distance and memory size, on synthetic "
-        "documents with references D tokens back (the needle test)",
-        formatter_class=runs.HelpFormatter,
-    )
-    s.add_argument(
-        "run_dir",
-        type=runs.path_arg,
-        help="a train.py output directory of a run trained on --data synthetic",
-    )
-    s.add_argument(
-        "--distances",
-        type=positive_ints,
-        default="1024,4096,16384,61440",
-        help="comma-separated: how many tokens back each probe's value was defined",
-    )
-    s.add_argument(
-        "--memory-sizes",
-        type=positive_ints,
-        default="512,2048,8192,65536",
-        help="comma-separated memory sizes M to evaluate the same weights with (multiples of T)",
-    )
-    s.add_argument("--docs", type=positive, default=8, help="documents per distance, 8 probes each")
-    s.add_argument(
-        "--exact-topk",
-        action=argparse.BooleanOptionalAction,
-        help="exact top-k, or the binned approximate top-k (default: the run's)",
-    )
-    s.add_argument("--seed", type=count, default=0, help="seed of the generated documents")
-    s.add_argument(
-        "--json",
-        type=runs.path_arg,
-        help="write the rows here: a list of objects with distance, memory_size, exact_topk, "
-        "far_loss, far_loss_memory_off, tokens, in_reach, mean_distance, perplexity, seconds"
-        + runs.REPLACED,
-    )
-    s = sub.add_parser(
-        "finetune",
-        help="Sec. 4.4: train without memory, fine-tune with it, and compare with "
-        "memory from scratch for the same total steps",
-        formatter_class=runs.HelpFormatter,
-    )
-    s.add_argument(
-        "--preset", choices=sorted(mt.PRESETS), default="synthetic", help="config of every run"
-    )
-    s.add_argument("--data", type=runs.path_arg, default="synthetic", help="corpus of every run")
-    s.add_argument("--steps", type=positive, default=1500, help="steps without memory")
-    s.add_argument(
-        "--finetune-steps",
-        type=positive,
-        default=500,
-        help="steps of fine-tuning with memory after them",
-    )
-    s.add_argument(
-        "--fresh-start",
-        action="store_true",
-        help="fine-tune with a fresh step count, warmup and "
-        "Adafactor statistics (train.py --fresh-start) instead of continuing them",
-    )
-    s.add_argument(
-        "--eval-every", type=positive, default=100, help="steps between evaluations (the curve)"
-    )
-    s.add_argument(
-        "--eval-docs", type=positive, default=16, help="validation documents per evaluation"
-    )
-    s.add_argument(
-        "--eval-tokens", type=positive, default=1024, help="tokens from each document's start"
-    )
-    s.add_argument("--segment-length", type=positive, help="T (the preset's if unset)")
-    s.add_argument("--batch-size", type=positive, help="rows (the preset's if unset)")
-    s.add_argument("--num-neighbors", type=positive, help="k (the preset's if unset)")
-    s.add_argument(
-        "--memory-size", type=positive, help="M of the runs with memory (the preset's if unset)"
-    )
-    s.add_argument(
-        "--cache-dir",
-        type=runs.path_arg,
-        help="tokenizer, token and compilation cache of every run it trains or resumes "
-        "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)",
-    )
-    s.add_argument(
-        "--out-root",
-        type=runs.path_arg,
-        default="runs/finetune",
-        help="where the three runs go (no_memory, fine_tuned or "
-        "fine_tuned_fresh_start, memory); a run that finished is reused, an unfinished one "
-        "resumed; "
-        "finetune.json (or finetune_fresh_start.json) is written here",
-    )
-    s = sub.add_parser(
-        "table",
-        help="Table 1 in miniature: the tiny model in the paper's rows",
-        formatter_class=runs.HelpFormatter,
-    )
-    s.add_argument("--data", type=runs.path_arg, default="stdlib", help="corpus for every row")
-    s.add_argument("--steps", type=positive, default=1200, help="training steps per row")
-    s.add_argument("--segment-length", type=positive, help="T (tiny preset's if unset)")
-    s.add_argument("--batch-size", type=positive, help="rows (tiny preset's if unset)")
-    s.add_argument("--num-neighbors", type=positive, help="k (tiny preset's if unset)")
-    s.add_argument(
-        "--seeds",
-        type=positive,
-        default=1,
-        help="train each row with seeds 0..N-1 (init and data "
-        "order) and report the mean and standard deviation",
-    )
-    s.add_argument(
-        "--init-gate-bias",
-        type=runs.finite_float,
-        help="the memory rows' initial gate bias (train.py's "
-        "--init-gate-bias; default: the preset's); use another --out-root for the runs",
-    )
-    s.add_argument(
-        "--rows",
-        help="comma-separated subset of the rows (default: all): "
-        + ", ".join(n for n, _, _ in TABLE_ROWS),
-    )
-    s.add_argument(
-        "--cache-dir",
-        type=runs.path_arg,
-        help="tokenizer, token and compilation cache of every run it trains or resumes "
-        "(train.py's --cache-dir; default: train.py's, $MT_CACHE or .cache)",
-    )
-    s.add_argument(
-        "--out-root",
-        type=runs.path_arg,
-        default="runs/table",
-        help="where the runs go; a row whose run finished at --steps "
-        "is reused, an unfinished one is resumed",
-    )
+    s = {}
+    for name, text in COMMANDS.items():
+        text = " ".join(text.split())
+        s[name] = sub.add_parser(name, help=text, description=text)
+    for name in ("perplexity", "compare", "inspect", "explore", "recall", "reach"):
+        cli.add(s[name], ["run_dir"])
+    for name in ("perplexity", "compare", "inspect", "explore", "recall"):
+        cli.add(s[name], OF_RUN, unset="the run's")
+    run_size = ["--memory-size", "--eval-docs", "--eval-tokens", "--exact-topk"]
+    cli.add(s["perplexity"], run_size, unset="the run's")
+    cli.add(s["perplexity"], ["--band-memory", "--json"])
+    cli.add(s["compare"], ["--memory-sizes", "--csv"], required=True)
+    cli.add(s["compare"], OF_DOC + ["--plot"])
+    cli.add(s["inspect"], OF_DOC + ["--top"])
+    cli.add(s["explore"], OF_DOC + ["--memories"])
+    cli.add(s["explore"], ["--html"], required=True)
+    cli.add(s["recall"], ["--memory-size", "--dtype"], unset="the run's")
+    cli.add(s["recall"], OF_DOC + ["--json"])
+    cli.add(s["reach"], ["--distances", "--memory-sizes", "--docs"], REACH_DEFAULTS)
+    cli.add(s["reach"], ["--exact-topk"], unset="the run's")
+    cli.add(s["reach"], ["--probe-seed", "--json"])
+    finetune = ["--preset", "--data", "--pretrain-steps", "--finetune-steps", "--fresh-start"]
+    finetune += ["--eval-every", "--eval-docs", "--eval-tokens"]
+    cli.add(s["finetune"], finetune, FINETUNE_DEFAULTS)
+    cli.add(s["finetune"], OF_PRESET + ["--memory-size"], unset="the preset's")
+    cli.add(s["finetune"], ["--cache-dir", "--out-root"], {"--out-root": "runs/finetune"})
+    cli.add(s["table"], ["--data", "--steps"], {"--steps": 1200})
+    cli.add(s["table"], OF_PRESET + ["--init-gate-bias"], unset="the preset's")
+    cli.add(s["table"], ["--seeds", "--rows", "--cache-dir", "--out-root"], TABLE_DEFAULTS)
     return p
+
+
+REACH_DEFAULTS = {"--memory-sizes": "512,2048,8192,65536"}
+FINETUNE_DEFAULTS = {
+    "--preset": "synthetic",
+    "--data": "synthetic",
+    "--eval-every": 100,
+    "--eval-docs": 16,
+    "--eval-tokens": 1024,
+}
+TABLE_DEFAULTS = {"--out-root": "runs/table"}
 
 
 def run(args):
@@ -1182,10 +1011,10 @@ def run(args):
     sources = [d for d in (run_args.get("data"), getattr(args, "data", None)) if isinstance(d, str)]
     caches = [
         d
-        for d in (run_args.get("cache_dir"), getattr(args, "cache_dir", None), runs.default_cache())
+        for d in (run_args.get("cache_dir"), getattr(args, "cache_dir", None), cli.cache_dir())
         if isinstance(d, str)
     ]
-    for name in ("json", "csv", "plot", "out"):
+    for name in ("json", "csv", "plot", "html"):
         if getattr(args, name, None):
             runs.check_output_file(getattr(args, name), name, sources, caches)
     return {
@@ -1201,8 +1030,8 @@ def run(args):
 
 
 def main(argv=None):
-    return runs.run_main(build_parser(), run, argv)
+    return cli.run_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":
-    runs.exit_with(main())
+    cli.exit_with(main())

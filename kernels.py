@@ -1,8 +1,8 @@
 """Faster ways to compute four of the model's pieces, each a drop-in with the plain piece's
 signature and result (the tests hold them equal in values and gradients):
 
-  FAST = Ops(local_attention, memory_search, attend_to_retrieved, clear_rows)
-  logits, state = mt.forward(params, state, tokens, reset, config, ops=kernels.FAST)
+  ops = fast(memory_chunk=1024, attention="explicit")   # FAST: fast() with its defaults
+  logits, state = mt.forward(params, state, tokens, reset, config, ops=ops)
 
 What each buys, and on which backend, is in the README's table "What the kernels buy".
 """
@@ -115,9 +115,7 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
     """mt.local_attention with the queries in blocks: a query sees at most T + 1 of the S keys, so
     each block of Q queries meets only the W = T + Q keys its windows reach. The mask is a bias,
     the T5 bias is broadcast over rows with a matmul gradient, and the softmax is normalized after
-    the value product. config.attention "fused": fused_local_attention."""
-    if config.attention == "fused":
-        return fused_local_attention(q, k, v, key_valid, rel_bias, scale, config)
+    the value product."""
     B, H, T, D = q.shape
     S = k.shape[2]
     # The cache is a constant (forward stops its gradient): none is computed for it here.
@@ -245,20 +243,20 @@ def _unpack(key, bits):
 
 
 def _bin_keys(best):
-    """The bins' winners' keys [..., L] with the low log2(L) bits replaced by the bin, reversed, so
+    """The bins' winners' keys [..., G] with the low log2(G) bits replaced by the bin, reversed, so
     that a row's keys are distinct, each names its bin (_key_bin), and of equal scores the lower
     bin ranks first (as in lax.top_k)."""
     low = (1 << (best.shape[-1] - 1).bit_length()) - 1
     return (best & ~low) | (low - jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1))
 
 
-def _key_bin(key, L):
-    low = (1 << (L - 1).bit_length()) - 1
+def _key_bin(key, G):
+    low = (1 << (G - 1).bit_length()) - 1
     return low - (key & low)
 
 
 def _max_by_halves(x):
-    """The maximum over the last axis, [..., L] -> [..., 1], as a tree of elementwise maxima."""
+    """The maximum over the last axis, [..., G] -> [..., 1], as a tree of elementwise maxima."""
     while x.shape[-1] > 1:
         n, h = x.shape[-1], x.shape[-1] // 2
         y = jnp.maximum(x[..., :h], x[..., n - h :])
@@ -272,14 +270,14 @@ def top_k_in_passes(x, k, block=2**20):
     """lax.top_k(x, k)[0] for integer x whose entries in each row are distinct, in k passes over
     the last axis, each taking the largest entry below the last one taken. The rows go in blocks
     of at most `block` entries, which take their k passes while they are in the cache."""
-    *lead, L = x.shape
-    if k > L:
-        raise ValueError(f"k ({k}) exceeds the {L} entries of a row.")
-    rows = x.size // L
-    nb = -(-rows // max(1, block // L))  # blocks
+    *lead, G = x.shape
+    if k > G:
+        raise ValueError(f"k ({k}) exceeds the {G} entries of a row.")
+    rows = x.size // G
+    nb = -(-rows // max(1, block // G))  # blocks
     n = -(-rows // nb)  # rows a block; the last block is padded
 
-    def passes(xb):  # [n, L] -> [n, k]
+    def passes(xb):  # [n, G] -> [n, k]
         def next_largest(last, _):
             m = _max_by_halves(jnp.where(xb < last, xb, jnp.iinfo(x.dtype).min))  # [n, 1]
             return m, m
@@ -288,8 +286,8 @@ def top_k_in_passes(x, k, block=2**20):
         _, rest = jax.lax.scan(next_largest, first, None, length=k - 1)  # [k - 1, n, 1]
         return jnp.concatenate([first, jnp.moveaxis(rest[..., 0], 0, 1)], -1)
 
-    xr = jnp.pad(x.reshape(rows, L), ((0, nb * n - rows), (0, 0)))
-    return jax.lax.map(passes, xr.reshape(nb, n, L)).reshape(nb * n, k)[:rows].reshape(*lead, k)
+    xr = jnp.pad(x.reshape(rows, G), ((0, nb * n - rows), (0, 0)))
+    return jax.lax.map(passes, xr.reshape(nb, n, G)).reshape(nb * n, k)[:rows].reshape(*lead, k)
 
 
 def top_k(keys, k):
@@ -307,17 +305,17 @@ def _largest_divisor_at_most(n, cap):
 WINNERS_BYTES = {"cpu": 2**21}
 
 
-def memory_search(q, mem_k, mem_valid, scale, config, batch_block=None):
-    """mt.memory_search with the memory scored a piece of at most memory_chunk slots at a time.
+def memory_search(q, mem_k, mem_valid, scale, config, chunk=1024, batch_block=None):
+    """mt.memory_search with the memory scored a piece of at most `chunk` slots at a time.
     Exact: each piece's top-k are candidates for the top-k of all. Binned: the memory seen as
-    [rows, L], a piece is whole rows (or part of one), scored as keys x queries [slots, T] (the
+    [rows, G], a piece is whole rows (or part of one), scored as keys x queries [slots, T] (the
     keys read as stored), and each bin's best score so far is kept with its row packed in one
-    int32 (_pack); then the top-k of the L winners, ranked with the bin in their low log2(L)
-    bits: float32 scores to 23 - log2(L) mantissa bits (equal beyond that: the lower bin first),
+    int32 (_pack); then the top-k of the G winners, ranked with the bin in their low log2(G)
+    bits: float32 scores to 23 - log2(G) mantissa bits (equal beyond that: the lower bin first),
     bfloat16 ones to all. The scores returned are the packed ones. batch_block: the batch rows
     searched at a time (None: as WINNERS_BYTES allows); the answer does not depend on it."""
     B, H, M, D = mem_k.shape
-    T, K, chunk = q.shape[2], config.num_neighbors, config.memory_chunk
+    T, K = q.shape[2], config.num_neighbors
     qs = jax.lax.stop_gradient(mt.scale_queries(q, scale))  # [B, H, T, D]
 
     if config.exact_topk:
@@ -343,21 +341,21 @@ def memory_search(q, mem_k, mem_valid, scale, config, batch_block=None):
         top, pos = jax.lax.top_k(vals, K)
         return top, jnp.take_along_axis(idx, pos, axis=-1)
 
-    L, rows = mt.bin_layout(K, M, config.topk_recall_target)  # slot s = row * L + bin
+    G, rows = mt.bin_layout(K, M, config.topk_recall_target)  # slot s = row * G + bin
     bits = rows.bit_length() - 1
-    W = _largest_divisor_at_most(L, chunk)  # bins a piece
+    W = _largest_divisor_at_most(G, chunk)  # bins a piece
     R = _largest_divisor_at_most(rows, chunk // W)  # rows a piece
-    keys = mem_k.reshape(B, H, rows, L, D)
-    valid = mem_valid.reshape(B, rows, L)
+    keys = mem_k.reshape(B, H, rows, G, D)
+    valid = mem_valid.reshape(B, rows, G)
     if batch_block is None:
         budget = WINNERS_BYTES.get(backend())
-        batch_block = B if budget is None else max(1, budget // (H * L * T * 4))
+        batch_block = B if budget is None else max(1, budget // (H * G * T * 4))
     n = _largest_divisor_at_most(B, batch_block)  # batch rows a block
 
     def search_rows(b):  # batch rows b .. b + n - 1
         qb = jax.lax.dynamic_slice_in_dim(qs, b, n)  # [n, H, T, D]
 
-        def best_so_far(best, c):  # best [n, H, L, T]: each bin's best packed key so far
+        def best_so_far(best, c):  # best [n, H, G, T]: each bin's best packed key so far
             r = (c % (rows // R)) * R  # the piece's first row
             w = (c // (rows // R)) * W  # and its first bin
             piece = jax.lax.dynamic_slice(keys, (b, 0, r, w, 0), (n, H, R, W, D))
@@ -372,12 +370,12 @@ def memory_search(q, mem_k, mem_valid, scale, config, batch_block=None):
             best = jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(old, new), w, axis=2)
             return best, None
 
-        start = jnp.full((n, H, L, T), jnp.iinfo(jnp.int32).min, jnp.int32)
+        start = jnp.full((n, H, G, T), jnp.iinfo(jnp.int32).min, jnp.int32)
         best, _ = jax.lax.scan(best_so_far, start, jnp.arange(M // (R * W)))
-        best = jnp.swapaxes(best, 2, 3)  # [n, H, T, L]
-        pos = _key_bin(top_k(_bin_keys(best), K), L)  # [n, H, T, K] the winners' bins
+        best = jnp.swapaxes(best, 2, 3)  # [n, H, T, G]
+        pos = _key_bin(top_k(_bin_keys(best), K), G)  # [n, H, T, K] the winners' bins
         vals, code = _unpack(jnp.take_along_axis(best, pos, axis=-1), bits)
-        return vals, (rows - 1 - code) * L + pos
+        return vals, (rows - 1 - code) * G + pos
 
     if n == B:
         return search_rows(0)
@@ -428,4 +426,13 @@ def clear_rows(mem, reset):
     return jax.lax.fori_loop(0, jnp.sum(reset), clear, mem)
 
 
-FAST = mt.Ops(local_attention, memory_search, attend_to_retrieved, clear_rows)
+@functools.lru_cache(maxsize=None)  # one Ops a setting: the steps compiled for it are reused
+def fast(memory_chunk=1024, attention="explicit"):
+    """The faster pieces, with their knobs: the memory scored memory_chunk slots at a time, and
+    the local attention "explicit" (local_attention) or "fused" (fused_local_attention)."""
+    local = fused_local_attention if attention == "fused" else local_attention
+    search = functools.partial(memory_search, chunk=memory_chunk)
+    return mt.Ops(local, search, attend_to_retrieved, clear_rows)
+
+
+FAST = fast()

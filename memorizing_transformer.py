@@ -20,7 +20,7 @@ NEG_INF = -1e30  # a finite "minus infinity": masked logits never make NaN gradi
 # ----------------------------------------------------------------------------- config
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # model (Sec. 4.2)
+    """The model; the defaults are Sec. 4.2's. Training's fields are presets.RunConfig's."""
     vocab_size: int = 32768
     d_model: int = 1024
     num_layers: int = 12
@@ -36,20 +36,11 @@ class Config:
     max_distance: int = 128
     exact_topk: bool = False  # False: the binned approximate top-k (Sec. 3.3)
     topk_recall_target: float = 0.95  # sets the number of bins of the approximate top-k
-    memory_chunk: int = 1024  # kernels.py scores the memory this many slots at a time
     dtype: str = "float32"  # activations and matmuls; "bfloat16" for mixed precision
     memory_dtype: str = None  # storage of the memory and the XL cache; None: as dtype
-    attention: str = "explicit"  # kernels.py's local attention: "explicit" or "fused" (cuDNN)
     init_prev_token_bias: float = 0.0  # T5 bias at distance 1 in half of layer 0's heads
     init_gate_bias: float = 0.0  # Eq. (1)'s gate starts at sigmoid(0) = 0.5, as in the paper
     memory_combine: str = "gate"  # how the two results mix: "gate" (Eq. 2), "add" or "joint"
-    # training (Sec. 4.2)
-    batch_size: int = 256  # rows; a batch holds batch_size * segment_length tokens
-    grad_accum: int = 1  # micro-batches per step (rows are split between them)
-    steps: int = 500_000
-    lr: float = 1.0
-    warmup_steps: int = 1000
-    seed: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "memory_layers", tuple(self.memory_layers))  # JSON gives a list
@@ -74,11 +65,10 @@ class Config:
 
 POSITIVE_FIELDS = (
     "vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "d_ff", "segment_length",
-    "steps", "num_neighbors", "num_buckets", "max_distance", "memory_chunk", "batch_size",
-    "grad_accum",
+    "num_neighbors", "num_buckets", "max_distance",
 )
 CHOICES = {"dtype": ("float32", "bfloat16"), "memory_dtype": (None, "float32", "bfloat16"),
-           "attention": ("explicit", "fused"), "memory_combine": ("gate", "add", "joint")}
+           "memory_combine": ("gate", "add", "joint")}
 
 
 def check_config(c):
@@ -90,7 +80,7 @@ def check_config(c):
     for name, allowed in CHOICES.items():
         value = getattr(c, name)
         check(value in allowed, f"{name} must be one of {allowed}, got {value!r}.")
-    for name in ("lr", "init_prev_token_bias", "init_gate_bias"):
+    for name in ("init_prev_token_bias", "init_gate_bias"):
         check(math.isfinite(getattr(c, name)), f"{name} must be finite, got {getattr(c, name)}.")
     M, T, K = c.memory_size, c.segment_length, c.num_neighbors
     exact = c.num_buckets // 2
@@ -110,10 +100,6 @@ def check_config(c):
           f"{c.head_dim}) must equal d_model ({c.d_model}).")
     check(0 < c.topk_recall_target < 1, "topk_recall_target must be in (0, 1), got "
           f"{c.topk_recall_target}.")
-    check(c.batch_size % c.grad_accum == 0, f"batch_size ({c.batch_size}) must be divisible "
-          f"by grad_accum ({c.grad_accum}).")
-    check(c.lr > 0 and c.warmup_steps >= 0, f"lr must be > 0 and warmup_steps >= 0, got {c.lr}, "
-          f"{c.warmup_steps}.")
 
 
 def check(ok, message):
@@ -121,58 +107,34 @@ def check(ok, message):
         raise ValueError(message)
 
 
-PRESETS = {
-    # Sec. 4.2: 2^17 tokens a step, as 8 micro-batches of 32 rows; 8192 slots scored at a time.
-    "paper": Config(grad_accum=8, memory_chunk=8192),
-    # One GPU, a few minutes.
-    "small": Config(vocab_size=8192, d_model=512, num_layers=8, num_heads=8, head_dim=64,
-                    d_ff=2048, segment_length=512, memory_layers=(5,), memory_size=2048,
-                    batch_size=32, steps=5000, warmup_steps=500),
-    # The synthetic task's recipe (README): two layers, so that the copy circuit's second half
-    # can only live in the memory layer; a previous-token prior; a rate too low to learn bindings.
-    "synthetic": Config(vocab_size=2048, d_model=128, num_layers=2, num_heads=4, head_dim=32,
-                        d_ff=512, segment_length=128, memory_layers=(1,), memory_size=512,
-                        batch_size=8, steps=2000, warmup_steps=100, lr=0.3,
-                        init_prev_token_bias=6.0),
-}
-# A 2-core CPU, minutes: the real-text recipe whose memory helps most (README, "Real text").
-PRESETS["tiny"] = PRESETS["synthetic"].replace(steps=5000)
-
-
 # ----------------------------------------------------------------------------- state and parameters
 class State(NamedTuple):
-    """What is carried from one segment to the next; every leaf is batch-leading."""
-    cache_k: jax.Array  # [B, L, H, C, D] the previous segment's keys (Transformer-XL)
-    cache_v: jax.Array  # [B, L, H, C, D]
-    cache_valid: jax.Array  # [B, C] bool: False for padding and before a document start
+    """What is carried from one segment to the next; every leaf is batch-leading. P = T where
+    there is an XL cache or a memory, else 0."""
+    prev_k: jax.Array  # [B, L, H, P, D] the last segment's keys: the XL cache, the next append
+    prev_v: jax.Array  # [B, L, H, P, D]
+    prev_valid: jax.Array  # [B, P] bool: False for padding and before a document start
     mem_k: jax.Array  # [B, Lm, H, M, D] the external memory (Sec. 3.1), a ring buffer
     mem_v: jax.Array  # [B, Lm, H, M, D]
     mem_valid: jax.Array  # [B, M] bool: the slot holds a key of the current document
     mem_pos: jax.Array  # [B] int32: the next slot to write
-    pending_k: jax.Array  # [B, Lm, H, T, D] the last segment's keys, appended at the next call
-    pending_v: jax.Array  # [B, Lm, H, T, D]
-    pending_valid: jax.Array  # [B, T] bool
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def init_state(config, batch_size):
     B, H, D = batch_size, config.num_heads, config.head_dim
-    L, C = config.num_layers, config.cache_length
-    Lm = len(config.active_memory_layers)
+    L, Lm = config.num_layers, len(config.active_memory_layers)
     M = config.memory_size if Lm else 0
-    T = config.segment_length if Lm else 0
+    P = config.segment_length if config.xl_cache or Lm else 0
     dt = config.storage_dtype
     return State(
-        cache_k=jnp.zeros((B, L, H, C, D), dt),
-        cache_v=jnp.zeros((B, L, H, C, D), dt),
-        cache_valid=jnp.zeros((B, C), bool),
+        prev_k=jnp.zeros((B, L, H, P, D), dt),
+        prev_v=jnp.zeros((B, L, H, P, D), dt),
+        prev_valid=jnp.zeros((B, P), bool),
         mem_k=jnp.zeros((B, Lm, H, M, D), dt),
         mem_v=jnp.zeros((B, Lm, H, M, D), dt),
         mem_valid=jnp.zeros((B, M), bool),
         mem_pos=jnp.zeros(B, jnp.int32),
-        pending_k=jnp.zeros((B, Lm, H, T, D), dt),
-        pending_v=jnp.zeros((B, Lm, H, T, D), dt),
-        pending_valid=jnp.zeros((B, T), bool),
     )
 
 
@@ -353,34 +315,44 @@ def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config):
     return out, weights, has_memory
 
 
+class Retrieved(NamedTuple):
+    """What knn_attention finds for every query: out [B, H, T, D]; has_memory [B, H, T] (False where
+    no retrieved slot is valid); slots, their validity and attention weights [B, H, T, K]."""
+    out: jax.Array
+    has_memory: jax.Array
+    slots: jax.Array
+    valid: jax.Array
+    weights: jax.Array
+
+
 def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, ops):
     """Sec. 3.1: retrieve each query's top-k pairs from the memory and attend to them. q [B, H, T,
-    D]; mem_k, mem_v [B, H, M, D]; mem_valid [B, M] -> out, has_memory, log normalizer [B, H, T],
-    slots, weights [B, H, T, K]. The memory is a constant: gradients reach q through the keys."""
+    D]; mem_k, mem_v [B, H, M, D]; mem_valid [B, M] -> Retrieved. The memory is a constant:
+    gradients reach q through the keys."""
     mem_k = jax.lax.stop_gradient(mem_k)
     mem_v = jax.lax.stop_gradient(mem_v)
     _, slots = ops.memory_search(q, mem_k, mem_valid, scale, config)  # [B, H, T, K]
     valid = jax.vmap(lambda row_valid, row_slots: row_valid[row_slots])(mem_valid, slots)
     attend = ops.attend_to_retrieved
     out, weights, has_memory = attend(q, mem_k, mem_v, slots, valid, scale, config)
-    lse = masked_logsumexp(retrieved_logits(q, mem_k, slots, scale, config), valid)  # [B, H, T]
-    return out, has_memory, lse, slots, weights
+    return Retrieved(out=out, has_memory=has_memory, slots=slots, valid=valid, weights=weights)
 
 
-def combine(out, mem_out, has_memory, gate_bias, lse, config):
-    """The local out and retrieved mem_out [B, H, T, D], mixed as config.memory_combine says. In
-    add and joint, b_g is a constant (its init, 0 by default) that weighs the retrieved side by
-    e^b_g; memory_off sets it to -1e9. A query with no valid memory (its document's first
-    segment) keeps its local result."""
+def combine(out, found, gate_bias, config, lse=None):
+    """The local out [B, H, T, D] and the retrieved found.out, mixed as config.memory_combine
+    says; lse, joint's only: the retrieved and the local logits' log normalizers [B, H, T]. In add
+    and joint, b_g is a constant (its init) that weighs the retrieved side by e^b_g; memory_off
+    sets it to -1e9. A query with no valid memory (a document's first segment) keeps its out."""
     b = gate_bias[None, :, None]  # [1, H, 1]
     if config.memory_combine == "gate":  # Eq. (2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g)
         share = jax.nn.sigmoid(b)
     elif config.memory_combine == "add":  # the gateless V_a = V_m + V_c of Sec. 4.6's study
         share = jnp.exp(jax.lax.stop_gradient(b))
-    else:  # joint: the retrieved pairs' share of one softmax over [retrieved; local], from lse
-        share = jax.nn.sigmoid(lse[0] + jax.lax.stop_gradient(b) - lse[1])  # Z_m / (Z_m + Z_c)
-    share = (share * has_memory)[..., None]  # [B, H, T, 1]
-    return mem_out * share + out * (1 if config.memory_combine == "add" else 1 - share)
+    else:  # joint: the retrieved pairs' share of one softmax over [retrieved; local]
+        mem_lse, local_lse = lse
+        share = jax.nn.sigmoid(mem_lse + jax.lax.stop_gradient(b) - local_lse)  # Z_m / (Z_m + Z_c)
+    share = (share * found.has_memory)[..., None]  # [B, H, T, 1]
+    return found.out * share + out * (1 if config.memory_combine == "add" else 1 - share)
 
 
 # ------------------------------------------------------------------------ Sec. 3.1: the ring buffer
@@ -402,17 +374,20 @@ def clear_rows(mem, reset):
     return jnp.where(reset, jnp.zeros((), mem.dtype), mem)
 
 
-def commit_memory(state, reset, clear=clear_rows):
-    """Clear the rows that start a document, append the pending segment to the others (none if
-    all padding: padding never costs a slot). Sec. 3.1 retrieves, then appends; the append waits
-    for the next call, which searches the same memory, so XLA writes it in place (deviation 5)."""
+def commit_memory(state, reset, config, clear=clear_rows):
+    """Clear the rows that start a document, append the last segment's keys and values to the
+    others (none if all padding: padding never costs a slot). Sec. 3.1 retrieves, then appends;
+    the append waits for the next call, which searches the same memory, so XLA writes it in
+    place (deviation 5)."""
     keep = ~reset.astype(bool)  # [B]
-    append = keep & jnp.any(state.pending_valid, axis=1)  # [B]
-    mem_k = write_memory(clear(state.mem_k, ~keep), state.pending_k, state.mem_pos, append, 2)
-    mem_v = write_memory(clear(state.mem_v, ~keep), state.pending_v, state.mem_pos, append, 2)
-    mem_valid = write_memory(state.mem_valid, state.pending_valid, state.mem_pos, append, 0)
+    append = keep & jnp.any(state.prev_valid, axis=1)  # [B]
+    layers = list(config.active_memory_layers)
+    new_k, new_v = state.prev_k[:, layers], state.prev_v[:, layers]  # [B, Lm, H, T, D]
+    mem_k = write_memory(clear(state.mem_k, ~keep), new_k, state.mem_pos, append, 2)
+    mem_v = write_memory(clear(state.mem_v, ~keep), new_v, state.mem_pos, append, 2)
+    mem_valid = write_memory(state.mem_valid, state.prev_valid, state.mem_pos, append, 0)
     mem_valid = mem_valid & keep[:, None]  # [B, M]
-    T, M = state.pending_valid.shape[1], state.mem_valid.shape[1]
+    T, M = state.prev_valid.shape[1], state.mem_valid.shape[1]
     advanced = jnp.where(append, state.mem_pos + T, state.mem_pos) % max(M, 1)  # [B]
     mem_pos = jnp.where(keep, advanced, 0).astype(jnp.int32)  # [B]
     return state._replace(mem_k=mem_k, mem_v=mem_v, mem_valid=mem_valid, mem_pos=mem_pos)
@@ -441,17 +416,18 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
           f"{c.segment_length}.")
     mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)  # [B, T]
     keep = ~reset.astype(bool)  # [B]: a document start clears the row's cache and memory
-    cache_valid = state.cache_valid & keep[:, None]  # [B, C]
+    C = c.cache_length
+    cache_valid = state.prev_valid[:, :C] & keep[:, None]  # [B, C]
     key_valid = jnp.concatenate([cache_valid, mask], axis=1)  # [B, S]
     if c.active_memory_layers:
-        state = commit_memory(state, reset, ops.clear_rows)
+        state = commit_memory(state, reset, c, ops.clear_rows)
 
     def heads(y):  # [N, H * D] -> [B, H, T, D]
         return jnp.swapaxes(y.reshape(B, T, H, D), 1, 2)
 
     # The residual stream as a matrix, a row a token: each weight's gradient is one plain matmul.
     x = params["embed"][tokens.reshape(B * T)].astype(dt)  # [N, E]
-    new_k, new_v, pending_k, pending_v, retrievals = [], [], [], [], []
+    new_k, new_v, retrievals = [], [], []
     for i, p in enumerate(params["layers"]):
         h = rms_norm(x, p["attn_norm"])  # [N, E]
         q = heads(h @ p["wq"].reshape(E, H * D).astype(dt))  # [B, H, T, D]
@@ -460,23 +436,23 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         q = l2_normalize(q)
         k = l2_normalize(k)
         # Transformer-XL: the previous segment's keys and values first, constants (no gradient).
-        cache_k = jax.lax.stop_gradient(state.cache_k[:, i]).astype(dt)  # [B, H, C, D]
-        cache_v = jax.lax.stop_gradient(state.cache_v[:, i]).astype(dt)  # [B, H, C, D]
+        cache_k = jax.lax.stop_gradient(state.prev_k[:, i, :, :C]).astype(dt)  # [B, H, C, D]
+        cache_v = jax.lax.stop_gradient(state.prev_v[:, i, :, :C]).astype(dt)  # [B, H, C, D]
         local_k = jnp.concatenate([cache_k, k], axis=2)  # [B, H, S, D]
         local_v = jnp.concatenate([cache_v, v], axis=2)  # [B, H, S, D]
         scale = p["qk_scale"]  # [H]
         out = ops.local_attention(q, local_k, local_v, key_valid, p["rel_bias"], scale, c)
         if i in c.active_memory_layers:
             j = c.active_memory_layers.index(i)
-            mem_out, has_memory, mem_lse, slots, weights = knn_attention(
-                q, state.mem_k[:, j], state.mem_v[:, j], state.mem_valid, scale, c, ops
-            )  # [B, H, T, D], [B, H, T] twice, [B, H, T, K] twice
-            local = local_logits(q, local_k, key_valid, p["rel_bias"], scale, c)  # [B, H, T, S]
-            lse = (mem_lse, masked_logsumexp(*local))  # joint's only: XLA drops them elsewhere
-            out = combine(out, mem_out, has_memory, p["gate_bias"], lse, c).astype(dt)
-            pending_k.append(jax.lax.stop_gradient(k))  # to the memory at the next call
-            pending_v.append(jax.lax.stop_gradient(v))
-            retrievals.append({"slots": slots, "weights": weights})
+            mem_k, mem_v = state.mem_k[:, j], state.mem_v[:, j]  # [B, H, M, D]
+            found = knn_attention(q, mem_k, mem_v, state.mem_valid, scale, c, ops)  # Retrieved
+            lse = None
+            if c.memory_combine == "joint":  # one softmax over both: each side's log normalizer
+                retrieved = retrieved_logits(q, mem_k, found.slots, scale, c)  # [B, H, T, K]
+                local = local_logits(q, local_k, key_valid, p["rel_bias"], scale, c)  # [B, H, T, S]
+                lse = (masked_logsumexp(retrieved, found.valid), masked_logsumexp(*local))
+            out = combine(out, found, p["gate_bias"], c, lse).astype(dt)
+            retrievals.append({"slots": found.slots, "weights": found.weights})
         attn = jnp.einsum("bhtd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
         x = x + attn.reshape(B * T, E)  # [N, E]
         h = rms_norm(x, p["ffn_norm"])  # [N, E]
@@ -490,16 +466,13 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
                         preferred_element_type=jnp.float32, precision=precision(c))  # [N, V]
     logits = logits.reshape(B, T, -1)  # [B, T, V]
 
-    def stack(arrays, like):  # L or Lm of [B, H, T, D] -> [B, L or Lm, H, T, D]
+    def stack(arrays, like):  # L of [B, H, T, D] -> [B, L, H, T, D]
         return jnp.stack(arrays, axis=1).astype(like.dtype)
 
     # This segment's keys and values: the next segment's XL cache, and the memory's next append.
-    if c.xl_cache:
-        state = state._replace(cache_k=stack(new_k, state.cache_k),
-                               cache_v=stack(new_v, state.cache_v), cache_valid=mask)
-    if c.active_memory_layers:
-        state = state._replace(pending_k=stack(pending_k, state.pending_k),
-                               pending_v=stack(pending_v, state.pending_v), pending_valid=mask)
+    if c.xl_cache or c.active_memory_layers:
+        state = state._replace(prev_k=stack(new_k, state.prev_k),
+                               prev_v=stack(new_v, state.prev_v), prev_valid=mask)
     return (logits, state, retrievals) if return_retrievals else (logits, state)
 
 

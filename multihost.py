@@ -23,8 +23,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import data
-import runs
+import cli
+import corpora
 
 # What SLURM's srun sets in each task (a variable only its tasks have, their count, this one's
 # rank),
@@ -59,24 +59,24 @@ def start(args):
     if args.coordinator is None and n is None and pid is None:
         return
     if n is None or pid is None:
-        raise runs.UsageError(
+        raise cli.UsageError(
             "several processes need --num-processes and --process-id, both (or a launcher's "
             "SLURM_NTASKS and SLURM_PROCID)."
         )
     if pid >= n:
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"--process-id {pid} is out of range for --num-processes {n}: the ids are 0 to {n - 1}."
         )
     args.num_processes, args.process_id = n, pid  # (config.json records them: process 0's)
     if n == 1:
         return
     if coordinator is None and not launched:
-        raise runs.UsageError(
+        raise cli.UsageError(
             "several processes need --coordinator HOST:PORT, process 0's host and a free port, "
             "the same for every process."
         )
     if args.out is None:  # (each process would name its own runs/<time>)
-        raise runs.UsageError(
+        raise cli.UsageError(
             "several processes train one run: give --out, the same directory for every process."
         )
     timeout = args.coordinator_timeout
@@ -136,7 +136,7 @@ def check_port_free(coordinator):
         ):
             pass
     except OSError:
-        raise runs.UsageError(
+        raise cli.UsageError(
             f"the coordinator's port {port} is in use on this host: choose another port in "
             f"--coordinator, the same for every process."
         ) from None
@@ -150,14 +150,14 @@ def wait_for(coordinator, timeout):
         try:
             answer = http2_answer(host, port, max(0.1, min(2.0, end - time.monotonic())))
             if answer and answer[3:4] != b"\x04":  # JAX's runtime would end this process on it
-                raise runs.UsageError(
+                raise cli.UsageError(
                     f"{coordinator} answers, but not as the run's coordinator (gRPC) would: "
                     "another program listens on that port; check --coordinator."
                 )
             return
         except OSError:
             if time.monotonic() >= end:
-                raise runs.UsageError(
+                raise cli.UsageError(
                     f"cannot reach the coordinator {coordinator} within {timeout:g} s "
                     f"(--coordinator-timeout): start process 0 there, or check the host and "
                     f"port."
@@ -253,14 +253,14 @@ def agree(fn):
         return fn()
     try:
         result, error = fn(), None
-    except (runs.UsageError, data.DataError, OSError) as e:
+    except (cli.UsageError, corpora.DataError, OSError) as e:
         result, error = None, e
     said = _texts("" if error is None else str(error) or type(error).__name__)
     if error is not None:
         raise error
     for i, text in enumerate(said):
         if text:
-            raise runs.UsageError(f"process {i}: {text.removeprefix('error: ')}")
+            raise cli.UsageError(f"process {i}: {text.removeprefix('error: ')}")
     return result
 
 
@@ -271,7 +271,7 @@ def check_same(what):
         texts = _texts(hashlib.sha256(what.encode()).hexdigest())
         other = next((i for i, t in enumerate(texts) if t != texts[0]), None)
         if other is not None:
-            raise runs.UsageError(
+            raise cli.UsageError(
                 f"process {other} has other flags or data than process 0: start every process "
                 f"with the same flags but --process-id, on the same corpus."
             )

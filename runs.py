@@ -1,5 +1,5 @@
-"""Files and processes, for every script: run directories, atomic writes, checkpoints, resume
-checks, typed flags, locking, signals, and the one-line error exit. Nothing here is about attention.
+"""Run directories, for every script: config.json, checkpoints, metrics, resume and fine-tune
+checks, atomic writes, locks, and a run's start. Nothing here is about attention or flags.
 
 A run directory holds config.json, metrics.jsonl, eval.json, tokenizer.model and checkpoint.npz.
 Every check comes before the first write: a refused command leaves every file as it was.
@@ -9,23 +9,22 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import logging
-import math
 import os
 import re
-import signal
-import sys
 import tempfile
 import time
-import traceback
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cli
+import corpora
 import data
 import memorizing_transformer as mt
+import multihost
+import presets
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.npz", "eval.json", "tokenizer.model")
 # The flags that choose a run's data and its validation: --resume takes the run's, and so does
@@ -72,13 +71,6 @@ MODEL_SHAPE = (
     "d_ff",
     "num_buckets",
 )
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one sentence, exit code 2."""
-
-
-plural = data.plural  # the project's one plural
 
 
 # ----------------------------------------------------------------------------- writing files
@@ -178,7 +170,7 @@ def check_writable_dir(path, flag):
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not writable_directory(probe):
-        raise UsageError(f"cannot write to {flag} {path}: {probe} is not a writable directory.")
+        raise cli.UsageError(f"cannot write to {flag} {path}: {probe} is not a writable directory.")
 
 
 def inside(path, directory):
@@ -195,42 +187,30 @@ def check_output_file(path, flag, sources=(), caches=()):
     if os.path.basename(real) in RUN_FILES and os.path.isfile(
         os.path.join(os.path.dirname(real), "config.json")
     ):
-        raise UsageError(
+        raise cli.UsageError(
             f"--{flag} {path} is the {os.path.basename(real)} of the run in "
             f"{os.path.dirname(real)}: an "
             f"output never replaces a run's files; name another file."
         )
     for source in sources:
-        if data.inside_corpus(path, source):
-            raise UsageError(
+        if corpora.inside_corpus(path, source):
+            raise cli.UsageError(
                 f"--{flag} {path} is inside the corpus {source}: an output never replaces or adds "
                 "to a "
                 f"corpus's files; name a file outside it."
             )
     for cache in caches:
         if cache and os.path.isdir(cache) and inside(path, cache):
-            raise UsageError(
+            raise cli.UsageError(
                 f"--{flag} {path} is inside the cache {cache}: an output never replaces a cache's "
                 "files; "
                 f"name a file outside it."
             )
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise UsageError(f"cannot write --{flag} {path}: it is a directory.")
+        raise cli.UsageError(f"cannot write --{flag} {path}: it is a directory.")
     if not is_stream(path) and not writable_directory(folder):
-        raise UsageError(f"cannot write --{flag} {path}: {folder} is not a writable directory.")
-
-
-# What an output flag's --help says of the file it names.
-REPLACED = (
-    " (an existing file is replaced atomically; a run's own files, and files in a corpus or a "
-    "cache, are "
-    "refused)"
-)
-
-
-def default_cache():
-    return os.environ.get("MT_CACHE") or ".cache"
+        raise cli.UsageError(f"cannot write --{flag} {path}: {folder} is not a writable directory.")
 
 
 def read_json(path):
@@ -264,12 +244,12 @@ def json_type(field, value):
 
 
 def read_run_config(run_dir):
-    """A run's config.json as {"config": Config, "args": dict}, read strictly: every Config field,
+    """A run's config.json as {"config": RunConfig, "args": dict}, read strictly: every field,
     with its JSON type (ADDED_SINCE's may be missing: their defaults, with a note). A broken file
-    is a UsageError naming what is wrong."""
+    is a cli.UsageError naming what is wrong."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
-        raise UsageError(f"{run_dir} is not a run directory (no config.json).")
+        raise cli.UsageError(f"{run_dir} is not a run directory (no config.json).")
     saved = read_json(path)
     args, fields = (saved.get("args"), saved.get("config")) if saved else (None, None)
     if (
@@ -284,29 +264,29 @@ def read_run_config(run_dir):
             and isinstance(args.get("min_doc_tokens", 0), (int, type(None)))
         )
     ):
-        raise UsageError(f"{path} is not a valid run config.")
+        raise cli.UsageError(f"{path} is not a valid run config.")
     # The values as their flags take them: the file's copy of a flag has the flag's range.
     for name, flag_type in (
-        ("valid_fraction", fraction),
-        ("eval_docs", positive_int),
-        ("eval_tokens", count),
+        ("valid_fraction", cli.fraction),
+        ("eval_docs", cli.positive_int),
+        ("eval_tokens", cli.count),
     ):
         try:
             flag_type(str(args[name]))
         except argparse.ArgumentTypeError as e:
-            raise UsageError(
+            raise cli.UsageError(
                 f"{path}: its args.{name} {e}, as --{name.replace('_', '-')} must be."
             ) from None
-    known = {f.name: f for f in dataclasses.fields(mt.Config)}
+    known = {f.name: f for f in dataclasses.fields(presets.RunConfig)}
     for name in fields:
         if name not in known:
-            raise UsageError(
+            raise cli.UsageError(
                 f"{path} has a field {name!r} that this project's Config does not have."
             )
-    missing = [name for name in known if name not in fields]
+    missing = sorted(name for name in known if name not in fields)
     for name in missing:
         if name not in ADDED_SINCE:
-            raise UsageError(
+            raise cli.UsageError(
                 f"{path} has no field {name}: every field of the run's Config must be there."
             )
     for name, value in fields.items():
@@ -318,9 +298,11 @@ def read_run_config(run_dir):
                 str: "a string",
                 tuple: "a list of integers",
             }[known[name].type]
-            raise UsageError(f"{path}: the field {name} must be {kind}, got {json.dumps(value)}.")
+            raise cli.UsageError(
+                f"{path}: the field {name} must be {kind}, got {json.dumps(value)}."
+            )
     if missing:
-        say(
+        cli.say(
             f"note: {path} was written before the field{'s' * (len(missing) > 1)} "
             f"{', '.join(missing)}: read with "
             f"the default{'s' * (len(missing) > 1)}, "
@@ -328,9 +310,9 @@ def read_run_config(run_dir):
             + "."
         )
     try:
-        saved["config"] = mt.Config(**fields)
+        saved["config"] = presets.RunConfig(**fields)
     except ValueError as e:
-        raise UsageError(f"{path}: {e}") from None
+        raise cli.UsageError(f"{path}: {e}") from None
     return saved
 
 
@@ -359,7 +341,7 @@ def lock_run_dir(out, held):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UsageError(
+        raise cli.UsageError(
             f"{out} is in use: another train.py is writing this run; wait for it to end, or choose "
             f"another --out."
         ) from None
@@ -439,7 +421,7 @@ def check_fits(config, batch_size):
     stats = jax.local_devices()[0].memory_stats() or {}
     have = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
-        raise UsageError(
+        raise cli.UsageError(
             f"this config (memory size {config.memory_size}, batch {batch_size}) needs at least "
             f"{need / 2**30:.1f} GiB for its parameters, optimizer and memory, more than the "
             f"{have / 2**30:.1f} GiB the device has."
@@ -478,9 +460,9 @@ def save_checkpoint(
 
 def load_checkpoint(path):
     """(meta, arrays) of a checkpoint; a missing, unreadable, truncated or corrupt file is a
-    UsageError."""
+    cli.UsageError."""
     if not os.path.isfile(path):
-        raise UsageError(f"no checkpoint at {path}.")
+        raise cli.UsageError(f"no checkpoint at {path}.")
     try:
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files}
@@ -489,9 +471,9 @@ def load_checkpoint(path):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError
     except PermissionError:
-        raise UsageError(f"cannot read the checkpoint {path}: permission denied.") from None
+        raise cli.UsageError(f"cannot read the checkpoint {path}: permission denied.") from None
     except Exception:
-        raise UsageError(f"checkpoint {path} is truncated or corrupt.") from None
+        raise cli.UsageError(f"checkpoint {path} is truncated or corrupt.") from None
     return meta, arrays
 
 
@@ -504,23 +486,23 @@ def restore_tree(template, arrays, prefix, path, strict=True):
         key = prefix + jax.tree_util.keystr(p)
         if key not in arrays:
             if strict:
-                raise UsageError(
+                raise cli.UsageError(
                     f"checkpoint {path} has no {key}: it was written for another config."
                 )
             leaves.append(x)
             continue
         if arrays[key].shape != x.shape:
-            raise UsageError(
+            raise cli.UsageError(
                 f"checkpoint {path} has {key} of shape {arrays[key].shape}, but this config needs "
                 f"{x.shape}."
             )
         if not same_kind(arrays[key].dtype, np.dtype(x.dtype)):
-            raise UsageError(
+            raise cli.UsageError(
                 f"checkpoint {path} has {key} of dtype {arrays[key].dtype}, but this config needs "
                 f"{np.dtype(x.dtype)}: it is corrupt or was not written by train.py."
             )
         if prefix == "params" and not np.all(np.isfinite(arrays[key])):
-            raise UsageError(
+            raise cli.UsageError(
                 f"checkpoint {path} has non-finite values in {key}: its weights cannot be used."
             )
         leaves.append(jnp.asarray(arrays[key], x.dtype))
@@ -561,7 +543,7 @@ def check_same_model(params, arrays, path):
             if missing
             else f"has {extra[0]}, which this config has no place for"
         )
-        raise UsageError(
+        raise cli.UsageError(
             f"checkpoint {path} {which}: it holds another model (other layers or widths), and only "
             f"memory may be added to a run's model or dropped from it."
         )
@@ -597,13 +579,13 @@ def restore_optimizer(opt_state, params, arrays, source_config, path):
     }
 
 
-def resume(out, params, opt_state, state, stream, documents, source, steps):
+def resume(out, params, opt_state, state, stream, documents, source, config):
     """(params, optimizer state, model state, step) from the checkpoint in `out`, the templates
     given as shapes; the data stream moved to where it stopped, in the same documents (their
-    fingerprints, `documents`, must be the checkpoint's)."""
+    fingerprints, `documents`, must be the checkpoint's), up to config.steps."""
     path = os.path.join(out, "checkpoint.npz")
     if not os.path.isfile(path):
-        raise UsageError(
+        raise cli.UsageError(
             f"{out} has no checkpoint to resume from (stopped before its first save); delete the "
             f"directory to start the run again."
         )
@@ -612,7 +594,9 @@ def resume(out, params, opt_state, state, stream, documents, source, steps):
         restore_tree(params, arrays, "params", path),
         restore_tree(opt_state, arrays, "opt", path),
     )
+    arrays = upgrade_state(arrays, config.active_memory_layers)
     state = mt.State(**restore_tree(state._asdict(), arrays, "state", path))
+    check_memory_position(state, config, path)
     changed = (
         f"the corpus {source} is not the one the checkpoint in {out} was trained on (its documents "
         "were "
@@ -626,20 +610,54 @@ def resume(out, params, opt_state, state, stream, documents, source, steps):
         None,
         documents,
     ):  # (a checkpoint from before fingerprints has none)
-        raise UsageError(changed + ".")
+        raise cli.UsageError(changed + ".")
     try:
         stream.restore(meta["data_position"])
     except (KeyError, TypeError, ValueError, IndexError):
-        raise UsageError(
+        raise cli.UsageError(
             f"checkpoint {path} has a data position that does not fit the training documents: it "
             "is "
             f"truncated or corrupt, or {changed}."
         ) from None
-    if meta["step"] > steps:
-        raise UsageError(
-            f"the checkpoint in {out} is at step {meta['step']}, past --steps {steps}."
+    if meta["step"] > config.steps:
+        raise cli.UsageError(
+            f"the checkpoint in {out} is at step {meta['step']}, past --steps {config.steps}."
         )
     return params, opt_state, state, meta["step"]
+
+
+def upgrade_state(arrays, memory_layers):
+    """A checkpoint's model state in today's names: one written before the XL cache and the
+    memory's pending segment became one (State.prev_*) has cache_* and pending_*, whose keys and
+    values are the last segment's in both (the cache's where it has length, else the pending
+    memory layers' in their layers)."""
+    if "state['pending_k']" not in arrays:
+        return arrays
+    arrays = dict(arrays)
+    cache = [arrays.pop(f"state['cache_{x}']") for x in ("k", "v", "valid")]
+    pending = [arrays.pop(f"state['pending_{x}']") for x in ("k", "v", "valid")]
+    if cache[0].shape[3] or not memory_layers:
+        new = cache
+    else:  # a memory without an XL cache: the other layers' slots are never read
+        k, v = (np.zeros(cache[0].shape[:3] + p.shape[3:], p.dtype) for p in pending[:2])
+        k[:, list(memory_layers)], v[:, list(memory_layers)] = pending[0], pending[1]
+        new = [k, v, pending[2]]
+    for name, array in zip(("prev_k", "prev_v", "prev_valid"), new):
+        arrays[f"state['{name}']"] = array
+    return arrays
+
+
+def check_memory_position(state, config, path):
+    """Refuse a state whose memory write position is outside [0, M) or not a multiple of T: the
+    ring buffer's writes would land on the wrong slots."""
+    M, T = state.mem_valid.shape[1], config.segment_length
+    pos = np.asarray(state.mem_pos)
+    bad = pos[(pos < 0) | (pos >= max(M, 1)) | (pos % T != 0)]
+    if bad.size:
+        raise cli.UsageError(
+            f"{path} has a memory write position of {int(bad[0])}, where the memory of {M} slots "
+            f"is written at multiples of {T} below {M}: it is corrupt."
+        )
 
 
 def init_from(run_dir, params, opt_state, fresh_start):
@@ -655,378 +673,16 @@ def init_from(run_dir, params, opt_state, fresh_start):
     return params, restore_optimizer(opt_state, params, arrays, source, path), meta["step"]
 
 
-# ----------------------------------------------------------------------------- typed flags
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except where the help says it or there is none (None)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag in one line on stderr, and `-1e3` read as a number, not a flag
-    (Python 3.11's argparse knows only -3 and -.5; no flag of ours starts with "-" and a digit)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"-\.?\d")
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help).\n")
-
-
-def int_at_least(low, high=None):
-    """An argparse type: an integer in [low, high]."""
-
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low or (high is not None and value > high):
-            words = {0: "must not be negative", 1: "must be positive"}.get(
-                low, f"must be at least {low}"
-            )
-            raise argparse.ArgumentTypeError(
-                f"{words}, got {value}" if value < low else f"must be at most {high}, got {value}"
-            )
-        return value
-
-    return parse
-
-
-positive_int, count = int_at_least(1), int_at_least(0)
-
-
-def finite_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def fraction(text):
-    value = finite_float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
-    return value
-
-
-def path_arg(text):
-    """A path, but not the empty string (an unset shell variable would pass as the default)."""
-    if not text:
-        raise argparse.ArgumentTypeError("needs a path, got an empty string")
-    return text
-
-
-def host_port(text):
-    """HOST:PORT, the port a number from 1 to 65535 (an IPv6 host in brackets: [::1]:8476)."""
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(
-            f"takes HOST:PORT with a port from 1 to 65535, got {text!r}"
-        )
-    return text
-
-
-def positive_seconds(text):
-    value = finite_float(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text}")
-    return value
-
-
-def memory_layers(text):
-    """--memory-layers "1,3" -> (1, 3)."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UsageError(
-            f"--memory-layers takes comma-separated layer indices, got {text!r}."
-        ) from None
-
-
-def train_parser():
-    """train.py's flags. A model or training flag left unset is None: the preset's (or the run's)
-    value."""
-    p = Parser(
-        description="Train a Memorizing Transformer (Wu et al., ICLR 2022). A model or "
-        "training flag left unset takes the --preset's value (with --init-from, that run's, "
-        "unless --preset is given).",
-        formatter_class=HelpFormatter,
-    )
-    p.add_argument(
-        "--preset",
-        choices=sorted(mt.PRESETS),
-        default="tiny",
-        help="named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the "
-        "2-layer recipe that learns the synthetic task, README)",
-    )
-    p.add_argument(
-        "--data",
-        default="stdlib",
-        type=path_arg,
-        help="stdlib (the running Python's standard library), "
-        "synthetic (4000 generated documents with near and far references; synthetic:N for N), or "
-        "a PATH",
-    )
-    p.add_argument(
-        "--data-format",
-        default="auto",
-        choices=["auto", "repo", "repo-deps", "text", "jsonl"],
-        help="how to read PATH: repo = a directory per document, repo-deps = same in import "
-        "order, text = one .txt file per document, jsonl = one {'text': ...} per line",
-    )
-    p.add_argument(
-        "--suffixes",
-        help="for a repository PATH, read only files ending in these, comma-separated, "
-        "e.g. .py,.c,.h (Sec. 4.1 keeps a repository's source files); default: every file",
-    )
-    p.add_argument(
-        "--min-doc-tokens",
-        type=count,
-        default=0,
-        help="drop documents shorter than this (4096 gives the paper's C4(4K+))",
-    )
-    for flag, kind, text in (
-        ("--vocab-size", positive_int, "SentencePiece vocabulary size V"),
-        ("--d-model", positive_int, "model width E (= num heads x head dim)"),
-        ("--num-layers", positive_int, "transformer layers L"),
-        ("--num-heads", positive_int, "attention heads H"),
-        ("--head-dim", positive_int, "dimension D of each head"),
-        ("--d-ff", positive_int, "hidden width F of the feed-forward blocks"),
-        (
-            "--steps",
-            positive_int,
-            "training steps (preset's value if unset); with --resume, the step to train "
-            "to; with --init-from, the steps to add (unset: the run's config's count)",
-        ),
-        ("--batch-size", positive_int, "batch rows; each row streams documents in order"),
-        ("--grad-accum", positive_int, "micro-batches per step (rows are split between them)"),
-        ("--segment-length", positive_int, "tokens per segment T (also the XL cache length)"),
-        ("--memory-size", count, "memory slots M per row and head; 0 = no memory"),
-        ("--num-neighbors", positive_int, "k retrieved memories per query"),
-        ("--lr", finite_float, "base learning rate (1.0 in the paper)"),
-        (
-            "--init-prev-token-bias",
-            finite_float,
-            "initial T5 bias at distance 1 in half of the first layer's "
-            "heads (0 = none, as in the paper; the synthetic preset uses 6)",
-        ),
-        (
-            "--init-gate-bias",
-            finite_float,
-            "initial bias of every memory layer's gate: g = sigmoid(bias) mixes "
-            "memory and local attention (0 = g 0.5, as in the paper; -2 = g 0.12)",
-        ),
-        ("--warmup-steps", count, "linear warmup steps before square-root decay"),
-    ):
-        p.add_argument(flag, type=kind, help=text)
-    p.add_argument("--memory-layers", help="comma-separated 0-based kNN layer indices, e.g. 8")
-    p.add_argument(
-        "--xl-cache",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Transformer-XL cache of the previous segment",
-    )
-    p.add_argument(
-        "--exact-topk",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="exact top-k instead of the binned approximate top-k",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        help="activation and matmul precision "
-        "(params, softmax statistics and the loss stay float32)",
-    )
-    p.add_argument(
-        "--memory-dtype",
-        choices=["float32", "bfloat16"],
-        help="storage of the memory and XL cache (default: the same as --dtype)",
-    )
-    p.add_argument(
-        "--memory-combine",
-        choices=["gate", "add", "joint"],
-        help="how the kNN and the local results mix: gate (Eqs. 1-2, the paper's), add (their "
-        "sum, the gateless form of Sec. 4.6's study), joint (one softmax over the retrieved and "
-        "the local pairs)",
-    )
-    p.add_argument(
-        "--attention",
-        choices=["explicit", "fused"],
-        help="local attention: explicit einsums and "
-        "softmax, or fused (jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with "
-        "--dtype bfloat16, JAX's own version of it elsewhere); the same math for the valid tokens "
-        "(fused "
-        "takes padding only at a segment's end, which is all data.py makes)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int_at_least(0, 2**32 - 1),
-        help="seed for the initialization and the order "
-        "in which batch rows take training documents; the train/validation split and the traversal "
-        "of "
-        "repositories are fixed (seed 0), so runs with different seeds are scored on the same "
-        "validation documents",
-    )
-    p.add_argument(
-        "--out",
-        type=path_arg,
-        help="output directory (default runs/<timestamp>); train.py refuses one "
-        "that already holds a run unless --resume is given",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --out from its checkpoint, with its "
-        "config, data and intervals (--log-every, --eval-every and --save-every may be given "
-        "anew); a "
-        "finished run with its eval.json: nothing to do, unless --steps goes further",
-    )
-    p.add_argument(
-        "--init-from",
-        type=path_arg,
-        metavar="RUN_DIR",
-        help="fine-tune another run (Sec. 4.4): its "
-        "weights, and its step count, learning-rate schedule and Adafactor statistics continue, "
-        "for "
-        "--steps more steps (a different memory size, or a run without memory: new parameters "
-        "start "
-        "fresh; the model's layers and widths must stay the run's); the data stream starts anew. "
-        "Its "
-        "config and data flags are the new run's, changed by each flag given (with --preset: that "
-        "preset's config, as without --init-from)",
-    )
-    p.add_argument(
-        "--fresh-start",
-        action="store_true",
-        help="with --init-from: take only the weights; the step "
-        "count, the warmup and Adafactor's statistics start from 0",
-    )
-    p.add_argument("--log-every", type=positive_int, default=10, help="steps between printed lines")
-    p.add_argument(
-        "--eval-every",
-        type=count,
-        default=500,
-        help="steps between evaluations (0 = only at the end)",
-    )
-    p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints")
-    p.add_argument(
-        "--eval-docs", type=positive_int, default=4, help="validation documents to evaluate"
-    )
-    p.add_argument(
-        "--eval-tokens",
-        type=count,
-        default=0,
-        help="tokens scored from each validation document's start by the final evaluation "
-        "(eval.json) and evaluate.py; 0 = the whole document",
-    )
-    p.add_argument(
-        "--curve-tokens",
-        type=count,
-        default=4096,
-        help="the same for the evaluations every --eval-every steps, at most --eval-tokens "
-        "(0 = as many)",
-    )
-    p.add_argument(
-        "--valid-fraction", type=fraction, default=0.05, help="share of documents held out"
-    )
-    p.add_argument(
-        "--tokenizer",
-        type=path_arg,
-        help="an existing SentencePiece .model (default: train one and cache it)",
-    )
-    p.add_argument(
-        "--cache-dir",
-        type=path_arg,
-        default=default_cache(),
-        help="tokenizer and "
-        "token cache (keyed on the corpus, the vocabulary size and the validation split), and in "
-        "its jax/ "
-        "folder the compiled programs, which a later run with the same config loads instead of "
-        "compiling "
-        "(--resume: the run's, if it still exists)",
-    )
-    several = p.add_argument_group(
-        "several processes (one per host; README)",
-        "each process runs the same command "
-        "but its --process-id; started by SLURM's srun, its variables stand in for these "
-        "flags, and JAX_COORDINATOR_ADDRESS for --coordinator. --out and "
-        "--cache-dir must be on a file system that every process sees",
-    )
-    several.add_argument(
-        "--coordinator",
-        type=host_port,
-        metavar="HOST:PORT",
-        help="process 0's host and a free port, the same for every process",
-    )
-    several.add_argument("--num-processes", type=positive_int, help="processes in the run")
-    several.add_argument(
-        "--process-id",
-        type=count,
-        help="this process's id, 0 to --num-processes - 1; process 0 "
-        "serves the coordinator and writes the run's files",
-    )
-    several.add_argument(
-        "--coordinator-timeout",
-        type=positive_seconds,
-        default=60.0,
-        help="seconds to wait for "
-        "the coordinator and the other processes; a process that stops answering ends the others "
-        "after as long",
-    )
-    return p
-
-
-def given_flags(argv):
-    """The flags that argv gives, by their names in args: parsed, a flag left out and one given at
-    its default value look alike."""
-    blank = train_parser()
-    blank.set_defaults(**dict.fromkeys(vars(blank.parse_args([])), None))
-    return {name for name, value in vars(blank.parse_args(argv)).items() if value is not None}
-
-
-def config_from_args(args, base=None, base_name=None):
-    """The config the flags give: `base` (default: the --preset; named `base_name` in messages)
-    with every model or training flag that was set."""
-    fields = {f.name for f in dataclasses.fields(mt.Config)}
-    changes = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if args.memory_layers is not None:
-        changes["memory_layers"] = memory_layers(args.memory_layers)
-    base_name = base_name or f"the {args.preset} preset"
-    base = base or mt.PRESETS[args.preset]
-    n = changes.get("num_layers", base.num_layers)
-    if "memory_layers" not in changes and any(layer >= n for layer in base.memory_layers):
-        raise UsageError(
-            f"{base_name}'s memory layer {max(base.memory_layers)} is out of range for "
-            "--num-layers "
-            f"{n}; give --memory-layers too, a 0-based index below {n} (the paper's is near the "
-            "top: 8 "
-            f"of 12)."
-        )
-    try:
-        return base.replace(**changes)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
 # ---------------------------------------------------------------------- resume and fine-tune checks
 def check_run_data_here(source):
     """A run keeps its --data as typed: a relative path is relative to where the run started."""
     if not (
         source == "stdlib"
-        or data.is_synthetic(source)
+        or corpora.is_synthetic(source)
         or os.path.isabs(source)
         or os.path.exists(source)
     ):
-        raise UsageError(
+        raise cli.UsageError(
             f"the run's --data {source!r} does not exist from {os.getcwd()}: a relative path is "
             "read "
             "from the directory the command runs in, so run it from the one the run was started "
@@ -1038,12 +694,12 @@ def resume_conflict(args, saved, out, given):
     """The first flag of `given` that would change the run saved in out (its model, training or
     data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's value); None if there is none."""
     config = saved["config"]
-    fields = {f.name for f in dataclasses.fields(mt.Config)}
+    fields = {f.name for f in dataclasses.fields(presets.RunConfig)}
     for name, value in vars(args).items():
         if name in RESUME_MAY_CHANGE or name not in given:
             continue
         if name == "memory_layers":
-            value, was = sorted(memory_layers(value)), sorted(config.memory_layers)
+            value, was = sorted(value), sorted(config.memory_layers)
         elif name == "memory_dtype":
             was = config.memory_dtype or config.dtype
         elif name in fields:
@@ -1055,7 +711,7 @@ def resume_conflict(args, saved, out, given):
             )
         elif name == "data":  # every run config has it (read_run_config checks)
             was = saved["args"][name]
-            if data.same_source(value, was):  # ./corpus/ is corpus
+            if corpora.same_source(value, was):  # ./corpus/ is corpus
                 continue
         elif name in saved["args"]:
             was = saved["args"][name]
@@ -1064,6 +720,8 @@ def resume_conflict(args, saved, out, given):
         if value != was:
             typed = getattr(args, name)
             flag = "--" + ("" if typed is not False else "no-") + name.replace("_", "-")
+            if isinstance(typed, tuple):  # --memory-layers as typed
+                typed = ",".join(map(str, typed))
             return flag + ("" if isinstance(typed, bool) else f" {typed}"), was
     return None
 
@@ -1072,19 +730,19 @@ def run_config(args, given):
     """Check the flags and the run directory; return the run's output directory, config and
     tokenizer (None: train one). Reads, never writes. given: the flags the command line gave."""
     if args.resume and args.init_from:
-        raise UsageError("--resume and --init-from cannot be combined.")
+        raise cli.UsageError("--resume and --init-from cannot be combined.")
     if args.fresh_start and not args.init_from:
-        raise UsageError("--fresh-start goes with --init-from.")
+        raise cli.UsageError("--fresh-start goes with --init-from.")
     if args.resume and not args.out:
-        raise UsageError("--resume needs --out, the run to continue.")
+        raise cli.UsageError("--resume needs --out, the run to continue.")
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if args.resume:  # the run's own config, data flags and tokenizer; --steps may extend it
         if not os.path.isfile(os.path.join(out, "config.json")):
-            raise UsageError(f"there is no run to resume in {out} (no config.json).")
+            raise cli.UsageError(f"there is no run to resume in {out} (no config.json).")
         saved = read_run_config(out)
         conflict = resume_conflict(args, saved, out, given)
         if conflict:
-            raise UsageError(
+            raise cli.UsageError(
                 f"--resume continues the run in {out} as it was configured, and {conflict[0]} "
                 "would "
                 f"change it (the run's: {conflict[1]}); drop the flag, or fine-tune the run into a "
@@ -1112,18 +770,18 @@ def run_config(args, given):
         tokenizer = os.path.join(out, "tokenizer.model")
     else:
         if holds_run(out):
-            raise UsageError(
+            raise cli.UsageError(
                 f"{out} already holds a run: continue it with --resume, or choose another --out."
             )
         tokenizer, base = args.tokenizer, None
         if args.init_from:
             tokenizer = os.path.join(args.init_from, "tokenizer.model")
             if not os.path.isfile(tokenizer):
-                raise UsageError(
+                raise cli.UsageError(
                     f"--init-from {args.init_from} is not a run directory (no tokenizer.model)."
                 )
             if args.tokenizer and os.path.realpath(args.tokenizer) != os.path.realpath(tokenizer):
-                raise UsageError(
+                raise cli.UsageError(
                     f"--init-from {args.init_from} keeps its run's tokenizer, whose ids its "
                     "weights "
                     f"read; drop --tokenizer {args.tokenizer}."
@@ -1140,7 +798,11 @@ def run_config(args, given):
             args.min_doc_tokens = args.min_doc_tokens or 0
             if "data" not in given:
                 check_run_data_here(args.data)
-        config = config_from_args(args, base, f"--init-from {args.init_from}" if base else None)
+        if base is None:
+            base, base_name = presets.PRESETS[args.preset], f"the {args.preset} preset"
+        else:
+            base_name = f"--init-from {args.init_from}"
+        config = cli.config_from_args(args, base, base_name)
         if args.init_from:
             other = [
                 f"{f} {getattr(source, f)} (this run: {getattr(config, f)})"
@@ -1148,15 +810,15 @@ def run_config(args, given):
                 if getattr(source, f) != getattr(config, f)
             ]
             if other:
-                raise UsageError(
+                raise cli.UsageError(
                     f"--init-from {args.init_from} is another model: its {', '.join(other)}; only "
                     "memory may be added to a run's model or dropped from it, so drop or change "
                     "those "
                     f"flags."
                 )
     for path, flag in ((out, "--out"), (args.cache_dir, "--cache-dir")):
-        if data.inside_corpus(path, args.data):
-            raise UsageError(
+        if corpora.inside_corpus(path, args.data):
+            raise cli.UsageError(
                 f"{flag} {path} is inside the corpus --data {args.data}: what the run writes there "
                 f"would be read as part of its own corpus; choose a {flag} outside it, or a hidden "
                 "one "
@@ -1170,7 +832,7 @@ def run_config(args, given):
             if jax.process_count() > 1
             else ""
         )
-        raise UsageError(
+        raise cli.UsageError(
             f"batch_size {config.batch_size} must be divisible by {devices} x "
             f"grad_accum {config.grad_accum}."
         )
@@ -1178,197 +840,12 @@ def run_config(args, given):
     return out, config, tokenizer
 
 
-# ----------------------------------------------------------------------------- signals and leaving
-@contextlib.contextmanager
-def interrupt_flag():
-    """Ctrl-C and SIGTERM set flag["signal"] instead of stopping: the training loop saves and
-    exits."""
-    flag = {"signal": None}
-    old = {
-        s: signal.signal(s, lambda signum, _: flag.update(signal=signum))
-        for s in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        yield flag
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-@contextlib.contextmanager
-def dropped_interrupts_raised_again(delay=0.01):
-    """Deliver again the Ctrl-Cs that Python and JAX drop. A KeyboardInterrupt raised in a garbage
-    collection callback or a __del__ (JAX runs one at every collection) is printed and dropped by
-    Python: here SIGALRM delivers it again `delay` seconds later, to what SIGINT does then. JAX
-    starts its plugins under a bare `except:` and logs what they raise: such a record is raised
-    again from the logging call (_raise_logged_interrupt). Without setitimer (Windows): neither."""
-
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            signal.setitimer(signal.ITIMER_REAL, delay)
-        else:
-            previous_hook(unraisable)
-
-    def again(_, frame):
-        handler = signal.getsignal(signal.SIGINT)
-        if not callable(handler):
-            raise KeyboardInterrupt
-        handler(signal.SIGINT, frame)
-
-    jax_log = logging.getLogger("jax._src.xla_bridge")
-    jax_log.addFilter(_raise_logged_interrupt)
-    alarm = hasattr(signal, "setitimer")
-    if alarm:
-        previous_hook, previous_alarm = sys.unraisablehook, signal.signal(signal.SIGALRM, again)
-        sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        jax_log.removeFilter(_raise_logged_interrupt)
-        if alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous_alarm)
-            sys.unraisablehook = previous_hook
-
-
-def _raise_logged_interrupt(record):
-    """A logging filter: a KeyboardInterrupt that logging caught is raised again, not printed."""
-    if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
-        raise record.exc_info[1]
-    return True
-
-
-def _backend_failed(e):
-    """Whether e was raised where JAX starts its backend (a JAX_PLATFORMS that cannot start)."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return any(
-        f.filename.endswith(os.path.join("jax", "_src", "xla_bridge.py")) for f in frames[-3:]
-    )
-
-
-def run_command(command, args):
-    """Run a command the way every script here does: bad input (flags, files, data) is one sentence
-    on stderr and exit code 2; Ctrl-C or SIGTERM is one line and exit code 130."""
-    old = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with dropped_interrupts_raised_again():
-            return command(args)
-    except (UsageError, data.DataError) as e:
-        say(f"error: {e}")
-        return 2
-    except (
-        BrokenPipeError
-    ):  # stdout's reader stopped reading (`| head`): stop quietly, as shell tools do
-        return _stdout_gone()
-    except OSError as e:  # a file the checks did not foresee: say which, and why
-        say(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename is not None else ""))
-        return 2
-    except (
-        MemoryError,
-        RuntimeError,
-        AssertionError,
-    ) as e:  # (jax.errors.JaxRuntimeError is a RuntimeError)
-        if isinstance(e, MemoryError) or (
-            isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
-        ):
-            say(
-                "error: the device ran out of memory; lower --batch-size, --segment-length or "
-                "--memory-size."
-            )
-        elif _backend_failed(e):
-            say(
-                "error: JAX could not start its backend "
-                f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): "
-                f"{' '.join(str(e).split()) or 'no backend'}; unset JAX_PLATFORMS to let JAX "
-                "choose one, or see the "
-                f"README's GPU install."
-            )
-        else:
-            raise
-        return 2
-    except KeyboardInterrupt:
-        say("interrupted; no file was left half-written.")
-        return 130
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def say(line):
-    """One line on stderr (an error or a note), where nothing fails if stderr is closed or
-    broken."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        print(line, file=sys.stderr, flush=True)
-
-
-def run_main(parser, command, argv):
-    """A script's main(): parse argv (--help, or a bad flag in one line, end here with 0 or 2), then
-    run_command."""
-    for name in ("stdout", "stderr"):  # started with a stream closed (`>&-`): Python has None there
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(os.devnull, "w"))
-    if sys.stdout is sys.__stdout__ and getattr(sys.stdout, "errors", None) == "strict":
-        sys.stdout.reconfigure(
-            errors="surrogateescape"
-        )  # print a path that is not UTF-8 as its bytes
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return e.code
-    # XLA reads XLA_FLAGS when it starts, and a word that is no flag ends the process there.
-    words = os.environ.get("XLA_FLAGS", "").split()
-    bad = [w for w in words if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", w)]
-    if bad:
-        say(
-            f"error: XLA_FLAGS holds {bad[0]!r}, which is not an XLA flag (--name or --name=value)."
-        )
-        return 2
-    return run_command(command, args)
-
-
-def _stdout_gone():
-    """Point stdout at /dev/null, so that nothing more fails on it; the exit code of SIGPIPE."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (
-        OSError,
-        ValueError,
-        AttributeError,
-    ):  # stdout is not a file (a test's capture), or closed
-        pass
-    return 141
-
-
-def exit_with(code):
-    """Leave with `code` at once, once stdout and stderr are flushed: without the interpreter's
-    teardown, which can crash while JAX's threads still run (after an interrupt), and during which
-    a signal would kill the process without a word."""
-
-    def interrupted(*_):
-        os.write(2, b"interrupted; no file was left half-written.\n")
-        os._exit(130)
-
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, interrupted)
-    try:
-        if sys.stdout is not None:  # (None: started with stdout closed)
-            sys.stdout.flush()
-    except BrokenPipeError:
-        gone = _stdout_gone()
-        code = code or gone  # a failure keeps its own code
-    except (OSError, ValueError):  # a stdout that cannot take what is left: the code stands
-        pass
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        sys.stderr.flush()
-    os._exit(code or 0)
-
-
 # ----------------------------------------------------------------------------- a run's start
 class Run(NamedTuple):
     """What train.py's loop needs, checked and prepared before its first write."""
 
     out: str
-    config: mt.Config
+    config: presets.RunConfig
     train_docs: list
     valid_docs: list
     distances: object  # synthetic data: per validation document, how far back each reference is
@@ -1388,8 +865,6 @@ def open_run(args, given, held, fresh):
     in `held`, prepare the data, restore or start the weights (fresh(config) -> params, optimizer
     state) and claim the directory with the run's files. With several processes each check is
     agreed (one refusal stops them all), and only process 0 writes."""
-    import multihost  # (multihost imports this module)
-
     agree, is_main = multihost.agree, multihost.is_main()
     out, config, tokenizer = agree(lambda: run_config(args, given))
     locked = agree(lambda: is_main and lock_run_dir(out, held))  # before the checkpoint is read
@@ -1416,7 +891,7 @@ def open_run(args, given, held, fresh):
             os.makedirs(out, exist_ok=True)
             lock_run_dir(out, held)
         if not args.resume and holds_run(out):
-            raise UsageError(
+            raise cli.UsageError(
                 f"{out} already holds a run, which another train.py started "
                 "meanwhile; choose another --out."
             )
@@ -1460,7 +935,9 @@ def save_first_or_undo(out, start_step, path, *checkpoint):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
         end = "; the run's files are removed." if undo else "; the last checkpoint is kept."
-        raise UsageError(f"cannot write the checkpoint {path}: {e.strerror or e}{end}") from None
+        raise cli.UsageError(
+            f"cannot write the checkpoint {path}: {e.strerror or e}{end}"
+        ) from None
 
 
 def initial_state(config, args, out, stream, documents, fresh):
@@ -1469,7 +946,7 @@ def initial_state(config, args, out, stream, documents, fresh):
     state = mt.init_state(config, config.batch_size)
     if args.resume:  # the checkpoint has every value: the structure and dtypes are enough
         shapes = jax.eval_shape(lambda: fresh(config))
-        return resume(out, *shapes, state, stream, documents, args.data, config.steps)
+        return resume(out, *shapes, state, stream, documents, args.data, config)
     params, opt_state = fresh(config)
     if args.init_from:  # fine-tuning continues the schedule and the optimizer, unless --fresh-start
         params, opt_state, step = init_from(args.init_from, params, opt_state, args.fresh_start)

@@ -24,11 +24,11 @@ import argparse
 
 import numpy as np
 
-import data
+import cli
+import corpora
 import evaluate
+import evaluation
 import memorizing_transformer as mt
-import runs
-import train
 
 
 def next_token(logits, temperature, top_k, rng):
@@ -65,7 +65,7 @@ def generate(
         raise ValueError("the prompt has no tokens.")
     T = config.segment_length
     # The state is not donated: a partial segment's call must leave it as it was.
-    step = train.make_forward_step(train.step_config(config), donate=False, logits=True)
+    step = evaluation.make_forward_step(evaluation.step_config(config), donate=False, logits=True)
     rng = np.random.default_rng(seed)
     state, text, done = (
         mt.init_state(config, 1),
@@ -78,8 +78,8 @@ def generate(
         tokens[0, : len(segment)] = segment
         mask = np.arange(T)[None] < len(segment)
         batch = {"tokens": tokens, "targets": tokens, "mask": mask, "reset": np.array([done == 0])}
-        state, _, logits, _ = step(params, state, batch)
-        return logits, state
+        out = step(params, state, batch)
+        return out.logits, out.state
 
     new = []
     while len(new) < num_tokens:
@@ -140,58 +140,28 @@ class TextStream:
 
 
 def build_parser():
-    p = runs.Parser(description=__doc__.split("\n\n")[0], formatter_class=runs.HelpFormatter)
-    p.add_argument("run_dir", type=runs.path_arg, help="a train.py output directory")
+    p = cli.parser(__doc__)
+    cli.add(p, ["run_dir"])
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text")
-    prompt.add_argument(
-        "--prompt-file", type=runs.path_arg, help="a UTF-8 file whose whole text is the prompt"
-    )
-    prompt.add_argument(
-        "--prompt-doc",
-        type=runs.count,
-        metavar="N",
-        help="validation document N of the run's "
-        "corpus (as evaluate.py numbers them), cut at --prompt-tokens",
-    )
-    p.add_argument(
-        "--prompt-tokens",
-        type=runs.positive_int,
-        help="with --prompt-doc: the first this many "
-        "tokens are the prompt (default: the whole document)",
-    )
-    p.add_argument("--tokens", type=runs.positive_int, default=100, help="tokens to generate")
-    p.add_argument("--temperature", type=runs.finite_float, default=1.0, help="0 = greedy (argmax)")
-    p.add_argument(
-        "--top-k",
-        type=runs.positive_int,
-        help="draw only from the K most likely tokens (default: from all of them)",
-    )
-    p.add_argument(
-        "--seed", type=runs.int_at_least(0, 2**32 - 1), default=0, help="seed of the draws"
-    )
-    p.add_argument("--memory-size", type=runs.count, help="memory slots M (default: the run's)")
-    p.add_argument(
-        "--memory-off",
-        action="store_true",
-        help="force every gate to 0: local attention and XL cache only, the memory-off ablation",
-    )
-    p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    cli.add(prompt, ["--prompt", "--prompt-file", "--prompt-doc"])
+    cli.add(p, ["--prompt-tokens", "--tokens", "--temperature", "--top-k", "--draw-seed"])
+    cli.add(p, ["--memory-size"], unset="the run's")
+    cli.add(p, ["--memory-off", "--echo"])
     return p
 
 
 def sample(args):
     if args.temperature < 0:
-        raise runs.UsageError(f"--temperature must be >= 0, got {args.temperature}.")
+        raise cli.UsageError(f"--temperature must be >= 0, got {args.temperature}.")
     if args.prompt_tokens and args.prompt_doc is None:
-        raise runs.UsageError("--prompt-tokens goes with --prompt-doc.")
+        raise cli.UsageError("--prompt-tokens goes with --prompt-doc.")
     text = args.prompt
     try:  # a shell passes bytes that are not UTF-8 as lone surrogates, which no tokenizer takes
         (text or "").encode("utf-8")
     except UnicodeEncodeError:
-        raise runs.UsageError("--prompt is not UTF-8 text.") from None
+        raise cli.UsageError("--prompt is not UTF-8 text.") from None
     if args.prompt_file is not None:
-        text = data.read_text(args.prompt_file, "--prompt-file")
+        text = corpora.read_text(args.prompt_file, "--prompt-file")
     config, params, sp, run_args = evaluate.load_run(args.run_dir, args.memory_size)
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
     if (
@@ -203,15 +173,15 @@ def sample(args):
         )
     if args.prompt_doc is not None:
         if args.prompt_doc >= len(docs):
-            raise runs.UsageError(
+            raise cli.UsageError(
                 f"--prompt-doc {args.prompt_doc} is out of range: the validation set has "
-                f"{runs.plural(len(docs), 'document')}."
+                f"{corpora.plural(len(docs), 'document')}."
             )
         prompt = [int(t) for t in docs[args.prompt_doc][: args.prompt_tokens]]
     else:
         prompt = sp.encode(text)
     if not prompt:
-        raise runs.UsageError(
+        raise cli.UsageError(
             "the prompt is empty: give --prompt TEXT or a non-empty --prompt-file."
         )
     stream = TextStream(sp, lambda text: print(text, end="", flush=True), prompt)
@@ -226,13 +196,13 @@ def sample(args):
         args.tokens,
         args.temperature,
         args.top_k,
-        args.seed,
+        args.draw_seed,
         sp.get_piece_size(),
         stream.add,
     )
     stream.close()
     print(flush=True)
-    runs.say(
+    cli.say(
         f"({len(prompt)} prompt tokens, {args.tokens} generated, memory "
         f"{'off' if args.memory_off else config.memory_size})"
     )
@@ -240,8 +210,8 @@ def sample(args):
 
 
 def main(argv=None):
-    return runs.run_main(build_parser(), sample, argv)
+    return cli.run_main(build_parser(), sample, argv)
 
 
 if __name__ == "__main__":
-    runs.exit_with(main())
+    cli.exit_with(main())

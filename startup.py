@@ -58,7 +58,7 @@ def fill_heap_holes(smallest=2**10, largest=2**26):
 
 
 def leave_on_early_signals():
-    """Until runs.run_command takes the signals over: nothing is written yet, so leave."""
+    """Until cli.run_command takes the signals over: nothing is written yet, so leave."""
 
     def leave(*_):
         os.write(2, b"interrupted before anything was written.\n")

@@ -26,17 +26,20 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import benchmark
+import cli
+import corpora
 import data
 import evaluate
-import memorizing_transformer as mt
+import presets
 import runs
 import sample
 import train
-from test_evaluate import table_of_two_seeds  # noqa: F401  (a fixture that trains the table's runs)
 from conftest import child_env
+from test_evaluate import table_of_two_seeds  # noqa: F401  (a fixture that trains the table's runs)
 from test_train import FAST, HERE, TINY_FAST
 
 SCRIPTS = {
@@ -277,7 +280,8 @@ RETYPED = {
     str: [5, True, ["float32"]],
     tuple: [1, "1", [True], [1.0], None],
 }
-REQUIRED_FIELDS = [f.name for f in dataclasses.fields(mt.Config) if f.name not in runs.ADDED_SINCE]
+CONFIG_FIELDS = dataclasses.fields(presets.RunConfig)
+REQUIRED_FIELDS = [f.name for f in CONFIG_FIELDS if f.name not in runs.ADDED_SINCE]
 
 
 def run_file_faults():
@@ -315,7 +319,7 @@ def run_file_faults():
         st.sampled_from(["config.json", "checkpoint.npz", "tokenizer.model"]), st.floats(0.0, 0.95)
     ).map(lambda t: _truncate(*t))
     removed = st.sampled_from(REQUIRED_FIELDS).map(lambda name: drop(name, "config"))
-    retyped = st.sampled_from(dataclasses.fields(mt.Config)).flatmap(
+    retyped = st.sampled_from(CONFIG_FIELDS).flatmap(
         lambda f: st.sampled_from(
             [v for v in RETYPED[f.type] if not (v is None and f.default is None)]
         ).map(
@@ -363,7 +367,7 @@ def evaluate_faults(command):
         ],
         "explore": [
             ["--doc", "99"],
-            ["--top", "0"],
+            ["--memories", "0"],
             ["--max-tokens", "-1"],
             ["--data-format", "nope"],
         ],
@@ -376,7 +380,7 @@ def evaluate_faults(command):
             ["--prompt-doc", "99"],
             ["--prompt-tokens", "5"],
             ["--prompt", ""],
-            ["--seed", "-2"],
+            ["--draw-seed", "-2"],
             ["--prompt-file", "/no/such/file"],
         ],
         "reach": [
@@ -387,10 +391,10 @@ def evaluate_faults(command):
             ["--distances", "64,128,64"],
             ["--memory-sizes", "64,64"],
             ["--memory-sizes", str(64 * 2**34)],
-            ["--seed", "-1"],
+            ["--probe-seed", "-1"],
         ],
         "finetune": [
-            ["--steps", "0"],
+            ["--pretrain-steps", "0"],
             ["--finetune-steps", "x"],
             ["--preset", "huge"],
             ["--memory-size", "100"],
@@ -419,10 +423,10 @@ def evaluate_faults(command):
         "inspect": [lambda ws: ["--data", str(ws / "empty")]],
         "recall": [lambda ws: ["--json", str(ws)]] + output_faults("--json"),
         "explore": [
-            lambda ws: ["--out", str(ws)],
-            lambda ws: ["--out", str(ws / "afile" / "p.html")],
+            lambda ws: ["--html", str(ws)],
+            lambda ws: ["--html", str(ws / "afile" / "p.html")],
         ]
-        + output_faults("--out"),
+        + output_faults("--html"),
         "sample": [
             lambda ws: ["--prompt-file", str(ws)],
             lambda ws: ["--prompt-file", str(ws / "afile"), "--prompt-doc", "0"],
@@ -452,7 +456,7 @@ def benchmark_faults():
         ["--memory-sizes", "a,b"],
         ["--memory-sizes", ","],
         ["--memory-sizes", "-128"],
-        ["--steps", "0"],
+        ["--timed-steps", "0"],
         ["--batch-size", "-1"],
         ["--preset", "nope"],
         ["--dtype", "float16"],
@@ -472,6 +476,9 @@ def benchmark_faults():
         lambda ws: ["--profile", str(ws / "afile")],
     ] + output_faults("--json", reads=False)
     return st.sampled_from(plain).map(lambda f: lambda ws: f) | st.sampled_from(workspace)
+
+
+STEPS = {"table": "--steps", "finetune": "--pretrain-steps"}  # the runs' steps
 
 
 def output_faults(flag, reads=True):
@@ -639,7 +646,7 @@ def probes(draw):
         return "benchmark", lambda ws: sum((f(ws) for f in flags), []), []
     need = {
         "compare": lambda ws: ["--memory-sizes", "0,64", "--csv", str(ws / "out.csv")],
-        "explore": lambda ws: ["--out", str(ws / "page.html")],
+        "explore": lambda ws: ["--html", str(ws / "page.html")],
         "sample": lambda ws: ["--prompt", "KALO", "--tokens", "3"],
     }.get(command, lambda ws: [])
     if command in ("table", "finetune"):
@@ -647,7 +654,8 @@ def probes(draw):
         return (
             "evaluate",
             lambda ws: (
-                [command, "--data", "synthetic:40", "--steps", "2", "--out-root", str(ws / command)]
+                [command, "--data", "synthetic:40", STEPS[command], "2"]
+                + ["--out-root", str(ws / command)]
                 + sum((f(ws) for f in flags), [])
             ),
             [],
@@ -670,7 +678,7 @@ def probes(draw):
 @contextlib.contextmanager
 def closed(stream):
     """The command run as if started with `stream` closed (`>&-`): Python's sys.stdout or sys.stderr
-    is None then; and its exit (runs.exit_with) with os._exit raising SystemExit instead."""
+    is None then; and its exit (cli.exit_with) with os._exit raising SystemExit instead."""
 
     def exit_(code):
         raise SystemExit(code)
@@ -727,7 +735,7 @@ def test_any_bad_flag_or_broken_run_is_refused_in_one_sentence_and_changes_no_fi
     before = snapshot(ws, cache)
     t0 = time.time()
     with closed(stream), pytest.raises(SystemExit) as left:
-        runs.exit_with(SCRIPTS[script](argv))
+        cli.exit_with(SCRIPTS[script](argv))
     out, err = capsys.readouterr()
     assert left.value.code == 2, (argv, stream, err)
     if stream != "stderr":
@@ -753,15 +761,15 @@ def test_the_token_cache_follows_the_validation_split(tmp_path):
     """Issue 14.1: a cache built with one --valid-fraction is not reused for another."""
 
     def split(fraction, cache):
-        args = runs.train_parser().parse_args(
+        args = train.build_parser().parse_args(
             FAST + ["--valid-fraction", fraction, "--cache-dir", str(cache)]
         )
         tokens, valid, _, _, _, _ = data.prepare(
-            runs.data_options(args), runs.config_from_args(args).vocab_size
+            runs.data_options(args), evaluate.planned_config(args).vocab_size
         )
         return tokens, valid
 
-    docs = data.load_documents("synthetic:40", verbose=False)
+    docs = corpora.load_documents("synthetic:40", verbose=False)
     n_train = {f: len(data.split_documents(docs, float(f))[0]) for f in ("0.05", "0.5")}
     assert n_train["0.5"] < n_train["0.05"] < 40
     shared = tmp_path / "shared"
@@ -788,11 +796,11 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_noted(finished_run, tmp_path)
     assert f"--vocab-size {n} " in notes[0] and out.index("run ") < out.index("note:") < out.index(
         "step "
     )
-    args = runs.train_parser().parse_args(
+    args = train.build_parser().parse_args(
         FAST + ["--cache-dir", str(tmp_path), "--vocab-size", str(n)]
     )
     smaller = data.load_tokenizer(
-        data.prepare(runs.data_options(args), runs.config_from_args(args).vocab_size)[3]
+        data.prepare(runs.data_options(args), evaluate.planned_config(args).vocab_size)[3]
     )
     assert [smaller.id_to_piece(i) for i in range(smaller.get_piece_size())] == [
         sp.id_to_piece(i) for i in range(n)
@@ -867,7 +875,7 @@ def test_a_resume_on_a_changed_corpus_is_refused_and_on_a_touched_one_continues(
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i, doc in enumerate(
-        data.load_documents("synthetic:40", verbose=False)
+        corpora.load_documents("synthetic:40", verbose=False)
     ):  # FAST's documents, as files
         (corpus / f"d{i:02d}.txt").write_text(doc.text)
     run, old, touched = tmp_path / "run", tmp_path / "old", tmp_path / "touched"
@@ -902,7 +910,9 @@ def test_a_resume_on_a_changed_corpus_is_refused_and_on_a_touched_one_continues(
         0,
         "",
     )  # evaluate: no note on the same documents
-    _, valid = data.split_documents(data.load_documents(str(corpus), verbose=False), 0.05, seed=0)
+    _, valid = data.split_documents(
+        corpora.load_documents(str(corpus), verbose=False), 0.05, seed=0
+    )
     with open(corpus / valid[-1].id, "a") as f:  # a validation document edited: evaluate says so
         f.write("one more line\n")
     code, _, err = call("evaluate", perplexity, capsys)
@@ -1021,7 +1031,7 @@ def test_a_negative_number_with_an_exponent_is_a_value_not_a_flag():
     """`--init-gate-bias -1e3` was refused as "expected one argument": Python 3.11's argparse
     took "-1e3" for a flag, as it knows only -3 and -.5 as negative numbers."""
     for value in ("-1e3", "-2.5E-1", "-3", "-.5", "-1e+30"):
-        assert runs.train_parser().parse_args(["--init-gate-bias", value]).init_gate_bias == float(
+        assert train.build_parser().parse_args(["--init-gate-bias", value]).init_gate_bias == float(
             value
         )
         assert evaluate.build_parser().parse_args(
@@ -1031,7 +1041,7 @@ def test_a_negative_number_with_an_exponent_is_a_value_not_a_flag():
             ["run", "--prompt", "x", "--temperature", value]
         ).temperature == float(value)
     with pytest.raises(SystemExit):  # a flag is still a flag where a value was due
-        runs.train_parser().parse_args(["--init-gate-bias", "--lr", "1"])
+        train.build_parser().parse_args(["--init-gate-bias", "--lr", "1"])
 
 
 @pytest.mark.parametrize(
@@ -1107,7 +1117,7 @@ def test_flags_that_passed_the_old_checks_are_refused_in_one_sentence(
             ["compare", "RUN", "--memory-sizes", "0,64", "--csv", "WS/d.csv", "--plot", ""],
             "--plot",
         ),
-        ("evaluate", ["explore", "RUN", "--out", ""], "--out"),
+        ("evaluate", ["explore", "RUN", "--html", ""], "--html"),
         ("evaluate", ["recall", "RUN", "--json", ""], "--json"),
         ("evaluate", ["reach", "RUN", "--json", ""], "--json"),
         ("evaluate", ["finetune", "--out-root", ""], "--out-root"),
@@ -1146,9 +1156,9 @@ def test_an_empty_mt_cache_is_unset(monkeypatch):
     monkeypatch.setenv(
         "MT_CACHE", ""
     )  # the default --cache-dir stays .cache (an empty one is refused)
-    assert runs.train_parser().parse_args([]).cache_dir == ".cache"
+    assert train.build_parser().parse_args([]).cache_dir == ".cache"
     monkeypatch.setenv("MT_CACHE", "/some/cache")
-    assert runs.train_parser().parse_args([]).cache_dir == "/some/cache"
+    assert train.build_parser().parse_args([]).cache_dir == "/some/cache"
 
 
 def test_fewer_layers_than_the_presets_memory_layer_asks_for_memory_layers(tmp_path, cache, capsys):
@@ -1313,7 +1323,7 @@ def test_a_full_disk_is_named_in_one_line_and_leaves_the_old_file(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(runs, "_write_content", full)
-    assert runs.run_command(lambda args: runs.atomic_write(str(target), b"new"), None) == 2
+    assert cli.run_command(lambda args: runs.atomic_write(str(target), b"new"), None) == 2
     assert capsys.readouterr().err == f"error: {os.strerror(errno.ENOSPC)}: {target}\n"
     assert (
         os.listdir(tmp_path) == ["checkpoint.npz"]
@@ -1323,7 +1333,7 @@ def test_a_full_disk_is_named_in_one_line_and_leaves_the_old_file(
     def stdout_full(args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as print() to a full stdout does
 
-    assert runs.run_command(stdout_full, None) == 2
+    assert cli.run_command(stdout_full, None) == 2
     assert capsys.readouterr().err == f"error: {os.strerror(errno.ENOSPC)}\n"
 
 
@@ -1430,7 +1440,7 @@ def test_unreadable_and_odd_corpus_files_are_skipped_and_counted(tmp_path, capsy
     (repo / "pkg" / "secret.py").write_text("z = 3\n")
     real_open = open
     monkeypatch.setattr(
-        data,
+        corpora,
         "open",
         lambda p, *a, **k: (
             (_ for _ in ()).throw(PermissionError(13, "denied", p))
@@ -1439,7 +1449,7 @@ def test_unreadable_and_odd_corpus_files_are_skipped_and_counted(tmp_path, capsy
         ),
         raising=False,
     )
-    docs = data.load_documents(str(repo), "repo")
+    docs = corpora.load_documents(str(repo), "repo")
     assert (
         len(docs) == 1
         and "x = 1" in docs[0].text
@@ -1450,7 +1460,7 @@ def test_unreadable_and_odd_corpus_files_are_skipped_and_counted(tmp_path, capsy
     assert "2 unreadable" in capsys.readouterr().out  # the loop and the locked file
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_text('{"text": "fine"}\n{"text": "\\ud800"}\n' + '{"text": ' + "[" * 100000 + "\n")
-    docs = data.load_documents(str(jsonl))
+    docs = corpora.load_documents(str(jsonl))
     assert [d.text for d in docs] == ["fine"]
     assert "2 bad json" in capsys.readouterr().out
 
@@ -1471,7 +1481,7 @@ def test_a_checkpoint_is_created_like_any_other_file_and_an_unreadable_one_is_na
     monkeypatch.setattr(
         np, "load", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied", p))
     )
-    with pytest.raises(runs.UsageError, match="permission denied"):
+    with pytest.raises(cli.UsageError, match="permission denied"):
         runs.load_checkpoint(str(tmp_path / "c.npz"))
 
 

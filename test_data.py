@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import corpora
 import data
 
 SETTINGS = settings(deadline=None, max_examples=40, derandomize=True)
@@ -40,7 +41,7 @@ def run_epoch(docs, B, T, seed=0):
 )
 def test_rows_reproduce_documents_in_order_with_next_token_targets(docs, B, T, seed):
     if len(docs) < B:
-        with pytest.raises(data.DataError, match="fewer than"):
+        with pytest.raises(corpora.DataError, match="fewer than"):
             data.segment_batches(docs, B, T, seed)
         return
     by_id = {int(d[0]) // 1000: d for d in docs}
@@ -90,7 +91,7 @@ def test_no_step_holds_one_document_in_two_rows(lengths, B, seed):
     read, and each row reads its document from its start to its end."""
     docs = [np.arange(n, dtype=np.int32) + 1 for n in lengths]
     if len(docs) < B:
-        with pytest.raises(data.DataError, match="fewer than the"):
+        with pytest.raises(corpora.DataError, match="fewer than the"):
             data.segment_batches(docs, B, 5, seed)
         return
     it = data.segment_batches(docs, B, 5, seed)
@@ -197,7 +198,7 @@ def test_repo_traversal_keeps_each_subdirectory_contiguous(tmp_path):
             write(str(tmp_path / "repo" / sub / f"f{i}.py"), f"x = '{sub}{i}'\n")
         write(str(tmp_path / "repo" / sub / "deep" / "g.py"), f"y = '{sub}'\n")
     for seed in range(5):
-        (doc,) = data.read_repo(str(tmp_path), seed)
+        (doc,) = corpora.read_repo(str(tmp_path), seed)
         names = [
             line[len("# file: ") :] for line in doc.text.splitlines() if line.startswith("# file: ")
         ]
@@ -211,9 +212,9 @@ def test_repo_traversal_keeps_each_subdirectory_contiguous(tmp_path):
 def test_repo_orders_seeds_differently_but_deterministically(tmp_path):
     for i in range(8):
         write(str(tmp_path / "r" / f"m{i}.py"), f"v = {i}\n")
-    a = data.read_repo(str(tmp_path), 1)[0].text
-    assert a == data.read_repo(str(tmp_path), 1)[0].text
-    assert any(data.read_repo(str(tmp_path), s)[0].text != a for s in range(2, 6))
+    a = corpora.read_repo(str(tmp_path), 1)[0].text
+    assert a == corpora.read_repo(str(tmp_path), 1)[0].text
+    assert any(corpora.read_repo(str(tmp_path), s)[0].text != a for s in range(2, 6))
 
 
 def test_dependency_order_puts_imported_modules_first(tmp_path):
@@ -221,7 +222,7 @@ def test_dependency_order_puts_imported_modules_first(tmp_path):
     write(str(tmp_path / "thy" / "b.py"), "from a import x\ny = x\n")
     write(str(tmp_path / "thy" / "a.py"), "x = 1\n")
     for seed in range(4):
-        (doc,) = data.read_repo(str(tmp_path), seed, dependency_order=True)
+        (doc,) = corpora.read_repo(str(tmp_path), seed, dependency_order=True)
         names = [l for l in doc.text.splitlines() if l.startswith("# file:")]
         assert [n[-4:] for n in names] == ["a.py", "b.py", "c.py"]
 
@@ -231,13 +232,13 @@ def test_dependency_order_of_a_long_import_chain_and_of_a_cycle(tmp_path):
     three, cut where it closes: each file comes after the file it imports, but for one."""
     for i in range(3000):
         write(str(tmp_path / "chain" / "r" / f"m{i:04d}.py"), f"import m{i + 1:04d}\n")
-    (doc,) = data.read_repo(str(tmp_path / "chain"), 0, dependency_order=True)
+    (doc,) = corpora.read_repo(str(tmp_path / "chain"), 0, dependency_order=True)
     names = [l.rsplit("/", 1)[-1] for l in doc.text.splitlines() if l.startswith("# file:")]
     assert names == [f"m{i:04d}.py" for i in reversed(range(3000))]
     for name, imported in (("a", "b"), ("b", "c"), ("c", "a")):
         write(str(tmp_path / "cycle" / "r" / f"{name}.py"), f"import {imported}\n")
     for seed in range(4):
-        (doc,) = data.read_repo(str(tmp_path / "cycle"), seed, dependency_order=True)
+        (doc,) = corpora.read_repo(str(tmp_path / "cycle"), seed, dependency_order=True)
         names = [l.rsplit("/", 1)[-1] for l in doc.text.splitlines() if l.startswith("# file:")]
         assert sorted(names) == ["a.py", "b.py", "c.py"]
         imports = {"a.py": "b.py", "b.py": "c.py", "c.py": "a.py"}
@@ -255,7 +256,7 @@ def remove_deep(deep, levels):
 
 
 def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
-    """Once a RecursionError: the walks (a repository's, and data._walk, os.walk's twin, for
+    """Once a RecursionError: the walks (a repository's, and corpora._walk, os.walk's twin, for
     the other formats and the format's detection) keep their own stacks."""
     deep = str(tmp_path / "r")
     os.mkdir(deep)
@@ -265,13 +266,13 @@ def test_a_corpus_nested_1200_directories_deep_is_read(tmp_path, request):
     request.addfinalizer(lambda: remove_deep(deep, 1200))
     write(os.path.join(deep, "f.py"), "x = 1\n")
     write(str(tmp_path / "r" / "g.py"), "y = 2\n")
-    (doc,) = data.load_documents(str(tmp_path), verbose=False)  # the format detected: repo
+    (doc,) = corpora.load_documents(str(tmp_path), verbose=False)  # the format detected: repo
     assert sorted(l for l in doc.text.splitlines() if l.startswith("# file:")) == [
         "# file: " + os.path.join("r", *["a"] * 1200, "f.py"),
         "# file: r/g.py",
     ]
     write(os.path.join(deep, "book.txt"), "a book\n")
-    (doc,) = data.load_documents(str(tmp_path), "text", verbose=False)
+    (doc,) = corpora.load_documents(str(tmp_path), "text", verbose=False)
     assert doc.id == os.path.join("r", *["a"] * 1200, "book.txt") and doc.text == "a book\n"
 
 
@@ -311,7 +312,7 @@ def test_runs_that_fill_one_cache_at_once_each_write_a_whole_file(tmp_path, monk
     monkeypatch.setattr(
         data, "_write_cache", lambda p, write: (written.append(os.path.basename(p)), real(p, write))
     )
-    docs = [data.Document(str(i), "the cat sat on the mat\n") for i in range(4)]
+    docs = [corpora.Document(str(i), "the cat sat on the mat\n") for i in range(4)]
     sp = data.train_tokenizer(docs, 300, str(tmp_path / "t.model"))
     tokens, _ = data.tokenize(docs, sp, str(tmp_path / "c.npz"))
     again, _ = data.tokenize(docs, sp, str(tmp_path / "c.npz"))  # from the cache
@@ -329,7 +330,7 @@ def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
     matched what it read. Now an edit changes the key, and a touch, a copy or a file no
     reader reads does not."""
     key = lambda path, fmt="auto": data.corpus_key(
-        data.load_documents(str(path), fmt, verbose=False)
+        corpora.load_documents(str(path), fmt, verbose=False)
     )
     one = tmp_path / "one.jsonl"
     write(str(one), '{"text": "a"}\n')
@@ -355,9 +356,9 @@ def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
     ):
         write(str(corpus / name), f"the text of {name}\n")
     assert (
-        data.detect_format(str(corpus)) == "text"
+        corpora.detect_format(str(corpus)) == "text"
     )  # (a hidden .jsonl once made it a JSONL corpus)
-    assert sorted(d.id for d in data.load_documents(str(corpus), "text", verbose=False)) == [
+    assert sorted(d.id for d in corpora.load_documents(str(corpus), "text", verbose=False)) == [
         "a.txt",
         "sub/b.txt",
     ]
@@ -378,18 +379,18 @@ def test_the_cache_key_is_the_documents_as_read(tmp_path, monkeypatch):
     assert key(corpus, "text") != first
     lib = tmp_path / "lib"
     write(str(lib / "m.py"), "x = 1\n")
-    monkeypatch.setattr(data, "stdlib_path", lambda: str(lib))
+    monkeypatch.setattr(corpora, "stdlib_path", lambda: str(lib))
     first = key("stdlib")
     write(str(lib / "site-packages" / "pkg" / "p.py"), "y = 2\n")  # pip install
     assert key("stdlib") == first
     write(str(lib / "m.py"), "x = 2\n")
     assert key("stdlib") != first
-    docs = [data.Document("a", "xy"), data.Document("b", "z")]
+    docs = [corpora.Document("a", "xy"), corpora.Document("b", "z")]
     assert data.corpus_key(docs) != data.corpus_key(
-        [data.Document("a", "x"), data.Document("yb", "z")]
+        [corpora.Document("a", "x"), corpora.Document("yb", "z")]
     )
     assert data.corpus_key(docs) != data.corpus_key(
-        [data.Document("a", "xy", (("xy", True),)), docs[1]]
+        [corpora.Document("a", "xy", (("xy", True),)), docs[1]]
     )
 
 
@@ -405,10 +406,10 @@ def test_inside_corpus_is_where_a_reader_would_see_a_path(tmp_path):
         corpus / "sub" / ".cache",
         corpus / "__pycache__",
     ]
-    assert [data.inside_corpus(str(p), str(corpus)) for p in inside] == [True] * len(inside)
-    assert [data.inside_corpus(str(p), str(corpus)) for p in outside] == [False] * len(outside)
-    assert not data.inside_corpus(str(corpus / "x"), "synthetic:40")
-    assert not data.inside_corpus(str(corpus / "x"), str(corpus / "sub" / "missing.jsonl"))
+    assert [corpora.inside_corpus(str(p), str(corpus)) for p in inside] == [True] * len(inside)
+    assert [corpora.inside_corpus(str(p), str(corpus)) for p in outside] == [False] * len(outside)
+    assert not corpora.inside_corpus(str(corpus / "x"), "synthetic:40")
+    assert not corpora.inside_corpus(str(corpus / "x"), str(corpus / "sub" / "missing.jsonl"))
 
 
 def test_a_named_pipe_in_a_corpus_is_skipped_and_counted_not_waited_on(tmp_path):
@@ -425,7 +426,7 @@ def test_a_named_pipe_in_a_corpus_is_skipped_and_counted_not_waited_on(tmp_path)
         os.mkfifo(tmp_path / fmt / name)
         write(str(tmp_path / fmt / name.replace("a.", "b.")), good)
         code = (
-            "import data, sys; docs = data.load_documents(sys.argv[1], sys.argv[2]); "
+            "import corpora, sys; docs = corpora.load_documents(sys.argv[1], sys.argv[2]); "
             "print(len(docs), 'some text' in docs[0].text or 'x = 1' in docs[0].text)"
         )
         proc = subprocess.run(
@@ -453,7 +454,7 @@ def test_walk_equals_os_walk_links_errors_and_edited_dirnames_included(tmp_path)
     os.symlink(dirs[4] / "f0.txt", dirs[6] / "to_a_file")
     for top in (tmp_path / "t", dirs[7], tmp_path / "missing"):
         errors = ([], [])
-        assert list(data._walk(str(top), errors[0].append)) == list(
+        assert list(corpora._walk(str(top), errors[0].append)) == list(
             os.walk(str(top), onerror=errors[1].append)
         )
         assert [type(e) for e in errors[0]] == [type(e) for e in errors[1]]
@@ -468,7 +469,7 @@ def test_walk_equals_os_walk_links_errors_and_edited_dirnames_included(tmp_path)
                 seen.append((root, list(names), sorted(files)))
             return seen
 
-        assert steered(data._walk(str(top))) == steered(os.walk(str(top)))
+        assert steered(corpora._walk(str(top))) == steered(os.walk(str(top)))
 
 
 def test_isabelle_theories_come_after_the_theories_they_import_across_directories(tmp_path):
@@ -490,7 +491,7 @@ def test_isabelle_theories_come_after_the_theories_they_import_across_directorie
     )
     write(str(entry / "zz" / "Other.thy"), "theory Other imports Main begin end\n")
     for seed in range(8):
-        (doc,) = data.read_repo(str(tmp_path), seed, dependency_order=True)
+        (doc,) = corpora.read_repo(str(tmp_path), seed, dependency_order=True)
         names = [os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:")]
         assert names.index("Base.thy") < names.index("Middle.thy") < names.index("Top.thy"), (
             seed,
@@ -504,7 +505,7 @@ def test_python_dependency_order_crosses_directories(tmp_path):
     write(str(tmp_path / "r" / "lib" / "util.py"), "def helper():\n    pass\n")
     write(str(tmp_path / "r" / "lib" / "more.py"), "x = 1\n")
     for seed in range(8):
-        (doc,) = data.read_repo(str(tmp_path), seed, dependency_order=True)
+        (doc,) = corpora.read_repo(str(tmp_path), seed, dependency_order=True)
         names = [os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:")]
         assert names.index("util.py") < names.index("main.py"), (seed, names)
 
@@ -512,15 +513,17 @@ def test_python_dependency_order_crosses_directories(tmp_path):
 def test_suffixes_keep_only_the_named_languages(tmp_path):
     for name in ("a.py", "b.c", "c.h", "README.md", "d.js"):
         write(str(tmp_path / "r" / name), "text\n")
-    (doc,) = data.load_documents(str(tmp_path), "repo", suffixes=(".py", ".c", ".h"), verbose=False)
+    (doc,) = corpora.load_documents(
+        str(tmp_path), "repo", suffixes=(".py", ".c", ".h"), verbose=False
+    )
     names = sorted(os.path.basename(l) for l in doc.text.splitlines() if l.startswith("# file:"))
     assert names == ["a.py", "b.c", "c.h"]
-    (every,) = data.load_documents(str(tmp_path), "repo", verbose=False)
+    (every,) = corpora.load_documents(str(tmp_path), "repo", verbose=False)
     assert data.corpus_key([doc]) != data.corpus_key([every])
 
 
 def test_split_is_disjoint_deterministic_and_covers_everything():
-    docs = [data.Document(f"d{i}", "x") for i in range(50)]
+    docs = [corpora.Document(f"d{i}", "x") for i in range(50)]
     train, valid = data.split_documents(docs, 0.1, seed=3)
     assert not {d.id for d in train} & {d.id for d in valid}
     assert len(train) + len(valid) == 50 and len(valid) == 5
@@ -531,7 +534,7 @@ def test_split_is_disjoint_deterministic_and_covers_everything():
 def test_tokenizer_round_trips_source_code_and_is_cached(tmp_path):
     code = "def f(x):\n\tif x:\n        return 'é€😀'  # tab, spaces, unicode"
     code += "\n\n\n    pass\r\n"
-    docs = data.synthetic_documents(num_docs=5, length=100) + [data.Document("code", code)]
+    docs = corpora.synthetic_documents(num_docs=5, length=100) + [corpora.Document("code", code)]
     sp, path = data.get_tokenizer(docs, 400, str(tmp_path), "k")
     for d in docs:
         assert sp.decode(sp.encode(d.text)) == d.text
@@ -549,7 +552,7 @@ def small_tokenizer():
     """A 300-piece tokenizer of texts of a, b, space, tab, newline and é."""
     rng = random.Random(0)
     texts = ["".join(rng.choice("ab \t\né") for _ in range(3000)) for _ in range(4)]
-    docs = [data.Document(f"d{i}", t) for i, t in enumerate(texts)]
+    docs = [corpora.Document(f"d{i}", t) for i, t in enumerate(texts)]
     return data.train_tokenizer(docs, 300, os.path.join(tempfile.mkdtemp(), "t.model"))
 
 
@@ -588,18 +591,18 @@ def test_a_vocabulary_too_small_names_the_smallest_that_trains(tmp_path, text):
     """A piece per byte, pad and unk, and per distinct character (newline and tab always among
     them): the smallest vocabulary SentencePiece accepts here, to the piece. Was one line of
     SentencePiece's internal check."""
-    docs = [data.Document(f"d{i}", text * 300 + str(i)) for i in range(4)]
+    docs = [corpora.Document(f"d{i}", text * 300 + str(i)) for i in range(4)]
     need = 256 + 2 + len(set("".join(d.text for d in docs)) | {"\n", "\t"})
     with pytest.raises(
-        data.DataError, match=f"of {need - 1} pieces on this corpus: it needs at least {need} "
+        corpora.DataError, match=f"of {need - 1} pieces on this corpus: it needs at least {need} "
     ):
         data.train_tokenizer(docs, need - 1, str(tmp_path / "small.model"))
     assert data.train_tokenizer(docs, need, str(tmp_path / "enough.model")).get_piece_size() == need
 
 
 def test_synthetic_references_decode_to_their_values_and_their_distances_are_exact(tmp_path):
-    docs = data.synthetic_documents(num_docs=3, seed=1)
-    assert docs[0].text == data.synthetic_documents(num_docs=3, seed=1)[0].text
+    docs = corpora.synthetic_documents(num_docs=3, seed=1)
+    assert docs[0].text == corpora.synthetic_documents(num_docs=3, seed=1)[0].text
     sp, _ = data.get_tokenizer(docs, 1024, str(tmp_path), "s")
     for d in docs:
         ids, ref = data.encode_document(sp, d)
@@ -631,9 +634,9 @@ def test_synthetic_references_decode_to_their_values_and_their_distances_are_exa
 
 @pytest.mark.parametrize("distance", [40, 300, 2000])
 def test_synthetic_long_probes_sit_distance_tokens_after_their_only_definition(distance):
-    docs = data.synthetic_long_documents(3, distance, seed=5, num_names=6)
+    docs = corpora.synthetic_long_documents(3, distance, seed=5, num_names=6)
     assert [d.text for d in docs] == [
-        d.text for d in data.synthetic_long_documents(3, distance, seed=5, num_names=6)
+        d.text for d in corpora.synthetic_long_documents(3, distance, seed=5, num_names=6)
     ]
     for d in docs:
         # Independently, from the lines: where each name occurs, counting a word, a symbol and
@@ -655,25 +658,25 @@ def test_synthetic_long_probes_sit_distance_tokens_after_their_only_definition(d
 
 
 def test_synthetic_corpus_size_is_part_of_the_data_name():
-    assert len(data.load_documents("synthetic:7", verbose=False)) == 7
+    assert len(corpora.load_documents("synthetic:7", verbose=False)) == 7
     for bad in ("synthetic:0", "synthetic:x", "synthetic:1000001", "synthetic:99999999999"):
         with pytest.raises(
-            data.DataError, match="synthetic:N"
+            corpora.DataError, match="synthetic:N"
         ):  # the large ones at once, not generated
-            data.load_documents(bad, verbose=False)
+            corpora.load_documents(bad, verbose=False)
 
 
 def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys):
-    with pytest.raises(data.DataError, match="does not exist"):
-        data.load_documents(str(tmp_path / "missing"))
+    with pytest.raises(corpora.DataError, match="does not exist"):
+        corpora.load_documents(str(tmp_path / "missing"))
     os.makedirs(tmp_path / "empty")
-    with pytest.raises(data.DataError, match="no readable document"):
-        data.load_documents(str(tmp_path / "empty"))
+    with pytest.raises(corpora.DataError, match="no readable document"):
+        corpora.load_documents(str(tmp_path / "empty"))
     write(str(tmp_path / "r" / "p" / "empty.py"), "")
     write(str(tmp_path / "r" / "p" / "bin.dat"), b"\x00\x01\x02", "wb")
     write(str(tmp_path / "r" / "p" / "latin.py"), b"caf\xe9\n", "wb")
     write(str(tmp_path / "r" / "p" / "ok.py"), "ok = 1\n")
-    docs = data.load_documents(str(tmp_path / "r"), "repo")
+    docs = corpora.load_documents(str(tmp_path / "r"), "repo")
     assert len(docs) == 1 and "ok = 1" in docs[0].text
     out = capsys.readouterr().out
     assert "1 binary" in out and "1 not utf8" in out and "1 empty" in out
@@ -681,7 +684,7 @@ def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys
         str(tmp_path / "j" / "a.jsonl"),
         '{"text": "hello"}\nnot json\n{"other": 1}\n{"text": 3}\n\n',
     )
-    docs = data.load_documents(str(tmp_path / "j"))
+    docs = corpora.load_documents(str(tmp_path / "j"))
     assert [d.text for d in docs] == ["hello"]
     assert "3 bad json" in capsys.readouterr().out
     write(
@@ -689,24 +692,24 @@ def test_bad_input_gives_clear_errors_or_is_skipped_and_counted(tmp_path, capsys
         b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n',
         "wb",
     )
-    assert [d.text for d in data.load_documents(str(tmp_path / "bom"))] == [
+    assert [d.text for d in corpora.load_documents(str(tmp_path / "bom"))] == [
         "first",
         "second",
     ]  # (once "1 bad json")
     write(str(tmp_path / "t" / "book.txt"), "a book\n")
     write(str(tmp_path / "t" / "blank.txt"), "")
-    assert [d.text for d in data.load_documents(str(tmp_path / "t"))] == ["a book\n"]
-    with pytest.raises(data.DataError, match="fewer than"):
+    assert [d.text for d in corpora.load_documents(str(tmp_path / "t"))] == ["a book\n"]
+    with pytest.raises(corpora.DataError, match="fewer than"):
         data.segment_batches([np.arange(5)], 2, 4)
-    with pytest.raises(data.DataError, match="2 tokens"):
+    with pytest.raises(corpora.DataError, match="2 tokens"):
         data.segment_batches([np.arange(1)], 1, 4)
-    with pytest.raises(data.DataError, match="not a SentencePiece model"):
+    with pytest.raises(corpora.DataError, match="not a SentencePiece model"):
         write(str(tmp_path / "bad.model"), "not a model")
         data.load_tokenizer(str(tmp_path / "bad.model"))
 
 
 def test_stdlib_corpus_is_found_and_each_package_is_one_document():
-    docs = data.load_documents("stdlib", verbose=False)
+    docs = corpora.load_documents("stdlib", verbose=False)
     ids = {d.id for d in docs}
     assert {"json", "email", "asyncio"} <= ids
     assert "def dumps(" in next(d for d in docs if d.id == "json").text
@@ -715,8 +718,9 @@ def test_stdlib_corpus_is_found_and_each_package_is_one_document():
 # ----------------------------------------------------------------------------- fuzzing
 import jax  # noqa: E402
 import memorizing_transformer as mt  # noqa: E402
+import presets
 
-FUZZ = mt.Config(
+FUZZ = presets.RunConfig(
     vocab_size=400,
     d_model=32,
     num_layers=2,
@@ -736,7 +740,7 @@ FUZZ_FORWARD = jax.jit(mt.forward, static_argnums=4)
 @pytest.fixture(scope="module")
 def fuzz_tokenizer(tmp_path_factory):
     sp, _ = data.get_tokenizer(
-        data.synthetic_documents(num_docs=4, length=100),
+        corpora.synthetic_documents(num_docs=4, length=100),
         400,
         str(tmp_path_factory.mktemp("tok")),
         "fuzz",
@@ -768,10 +772,10 @@ def test_fuzzed_corpora_either_load_and_run_through_the_model_or_fail_clearly(
             content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass")
         )
     try:
-        docs = data.load_documents(str(root), fmt, verbose=False)
+        docs = corpora.load_documents(str(root), fmt, verbose=False)
         tokens, _ = data.tokenize(docs, fuzz_tokenizer)
         batches = data.SegmentBatches(tokens, 2, FUZZ.segment_length, epochs=1)
-    except data.DataError as e:
+    except corpora.DataError as e:
         assert str(e).endswith(".") and "\n" not in str(e)
         return
     for d, t in zip(docs, tokens):
@@ -787,12 +791,12 @@ def test_fuzzed_corpora_either_load_and_run_through_the_model_or_fail_clearly(
 def test_a_corpus_file_past_the_size_bound_is_skipped_and_counted(tmp_path, monkeypatch):
     """A corpus file that grows without end was read until a signal stopped it: a file is read
     up to a bound (here 1 KiB), and one past it is skipped and counted, as prompt files are."""
-    monkeypatch.setattr(data, "CORPUS_FILE_LIMIT", 1024)
-    monkeypatch.setattr(data._read_bytes, "__defaults__", (1024,))
+    monkeypatch.setattr(corpora, "CORPUS_FILE_LIMIT", 1024)
+    monkeypatch.setattr(corpora._read_bytes, "__defaults__", (1024,))
     (tmp_path / "small.txt").write_text("a small document\n" * 10)
     (tmp_path / "large.txt").write_text("x" * 2000)
-    stats = data._new_stats()
-    docs = data.read_text_dir(str(tmp_path), stats)
+    stats = corpora._new_stats()
+    docs = corpora.read_text_dir(str(tmp_path), stats)
     assert [d.text for d in docs] == ["a small document\n" * 10] and stats["too_large"] == 1
 
 
@@ -806,7 +810,7 @@ def test_a_repository_with_one_dominant_directory_is_split_a_level_down_and_by_t
     for i in range(12):  # _src: 12 subpackages, 80% of the text
         write(str(root / "_src" / f"sub{i}" / "core.py"), f"def f{i}(): pass\n" * 150)
     write(str(root / "_src" / "base.py"), "import os\n" * 50)
-    docs = data.load_documents(str(root), "repo", verbose=False)
+    docs = corpora.load_documents(str(root), "repo", verbose=False)
     ids = sorted(d.id for d in docs)
     assert "_src" not in ids and "_src/sub0" in ids and "_src/(top level)" in ids
     assert {"small_a", "small_b"} <= set(ids)

@@ -18,9 +18,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import cli
+import corpora
 import data
 import evaluate
+import evaluation
 import memorizing_transformer as mt
+import presets
 import runs
 import train
 from conftest import child_env
@@ -151,7 +155,7 @@ def test_the_runs_own_corpus_however_spelled_is_read_with_the_runs_format_and_su
     assert texts("./corpus/") == texts("link") == texts(str(tmp_path / "corpus")) == own
     assert any("notes" in t for t in texts("copy"))
     monkeypatch.chdir(tmp_path / "copy")  # the run's relative path, from elsewhere: named
-    with pytest.raises(runs.UsageError, match="'corpus' does not exist from .*started in"):
+    with pytest.raises(cli.UsageError, match="'corpus' does not exist from .*started in"):
         texts(None)
 
 
@@ -160,7 +164,7 @@ def test_perplexity_scores_by_default_what_the_run_scored(run_dir, tmp_path):
     C4(4K+)) are evaluate.py's defaults: with no flags, `perplexity` equals eval.json."""
     sp = data.load_tokenizer(f"{run_dir}/tokenizer.model")
     _, valid = data.split_documents(
-        data.load_documents("synthetic:40", verbose=False), 0.25, seed=0
+        corpora.load_documents("synthetic:40", verbose=False), 0.25, seed=0
     )
     lengths = sorted(len(t) for t in data.tokenize(valid, sp)[0])
     cut = lengths[len(lengths) // 2]  # the shorter documents go
@@ -289,7 +293,7 @@ def test_a_checkpoint_without_gates_is_loaded_with_fresh_gates_and_every_other_w
             **{k: v for k, v in kept.items() if not k.startswith(last)},
         ),
     )
-    with pytest.raises(runs.UsageError, match=re.escape(f"has no {last}[")):
+    with pytest.raises(cli.UsageError, match=re.escape(f"has no {last}[")):
         evaluate.load_run(str(run))
 
 
@@ -408,7 +412,7 @@ def test_table_trains_the_paper_rows_and_writes_table_json(table_of_two_seeds, c
     default_gate = one[: one.index("--init-gate-bias")] + one[one.index("--init-gate-bias") + 2 :]
     assert evaluate.main(default_gate) == 2
     assert (
-        f"holds a run of other settings (--init-gate-bias {mt.PRESETS['tiny'].init_gate_bias} "
+        f"holds a run of other settings (--init-gate-bias {presets.PRESETS['tiny'].init_gate_bias} "
         "here, -2.0 there)" in capsys.readouterr().err
     )
     # The job's command (its argv after `python evaluate.py`) again, in this process: it reuses the
@@ -451,7 +455,7 @@ FINETUNE = [
     "tiny",
     "--data",
     "synthetic:40",
-    "--steps",
+    "--pretrain-steps",
     "4",
     "--finetune-steps",
     "2",
@@ -663,7 +667,9 @@ def test_explore_page_is_self_contained_and_holds_the_tokens_and_compares_and_in
 
     page = tmp_path / "page.html"
     assert (
-        evaluate.main(["explore", run_dir, "--max-tokens", "300", "--out", str(page), "--top", "3"])
+        evaluate.main(
+            ["explore", run_dir, "--max-tokens", "300", "--html", str(page), "--memories", "3"]
+        )
         == 0
     )
     capsys.readouterr()
@@ -811,7 +817,7 @@ def test_a_probes_definition_is_in_the_memory_exactly_when_within_reach_says_so(
     so with M below the distance no slot holds it, and with M above it one does."""
     config, params, sp, _ = evaluate.load_run(run_dir)  # FAST: T = 32, XL cache
     T = config.segment_length
-    (doc,), (ref,) = data.tokenize(data.synthetic_long_documents(1, 150, seed=3), sp)
+    (doc,), (ref,) = data.tokenize(corpora.synthetic_long_documents(1, 150, seed=3), sp)
     dist = data.reference_distances(doc, ref)
     probes = [
         (int(p) - int(dist[p]), int(p) - 1) for p in np.flatnonzero(ref)
@@ -819,13 +825,14 @@ def test_a_probes_definition_is_in_the_memory_exactly_when_within_reach_says_so(
     seen = {True: 0, False: 0}
     for m in (64, 128, 256):
         cfg = config.replace(memory_size=m)
-        step = train.make_forward_step(train.step_config(cfg))
+        step = evaluation.make_forward_step(evaluation.step_config(cfg))
         state, states = mt.init_state(cfg, 1), []
         for batch in data.SegmentBatches([doc], 1, T, epochs=1):
-            state, _, _, _ = step(params, state, train.model_inputs(batch))
+            state = step(params, state, evaluation.model_inputs(batch)).state
             states.append(jax.tree.map(np.array, state))
         for key, query in probes:
-            k = states[key // T].pending_k[0, 0, :, key % T]  # [H, D] the key as written
+            layer = cfg.memory_layers[0]
+            k = states[key // T].prev_k[0, layer, :, key % T]  # [H, D] the key as written
             s = states[query // T]
             held = [
                 slot
@@ -848,10 +855,10 @@ def test_reach_takes_distinct_distances_and_memory_sizes(run_dir, capsys):
     size with itself stays: its zero differences are a test of their own.)"""
     import argparse
 
-    assert evaluate.positive_ints("64,1024") == [64, 1024]
+    assert cli.int_list(1)("64,1024") == [64, 1024]
     for text in ("64,64", "0,1", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
-            evaluate.positive_ints(text)
+            cli.int_list(1)(text)
     for flags in (["--distances", "64,128,64"], ["--memory-sizes", "64,64"]):
         assert evaluate.main(["reach", run_dir] + flags) == 2
         err = capsys.readouterr().err
@@ -886,19 +893,19 @@ def test_reach_writes_far_loss_by_distance_and_memory_size(run_dir, tmp_path, ca
     ]
     printed = capsys.readouterr().out
     assert "far loss" in printed and "in 3 documents per distance" in printed
-    assert runs.plural(1, "document") == "1 document" and runs.plural(0, "step") == "0 steps"
+    assert corpora.plural(1, "document") == "1 document" and corpora.plural(0, "step") == "0 steps"
     config, params, sp, _ = evaluate.load_run(run_dir)
     for r in rows:
         assert {"far_loss", "far_loss_memory_off", "tokens", "in_reach", "mean_distance"} <= set(r)
         # Independently: each document alone (one row), its per-token loss at the probes.
-        docs, refs = data.tokenize(data.synthetic_long_documents(3, r["distance"], seed=0), sp)
+        docs, refs = data.tokenize(corpora.synthetic_long_documents(3, r["distance"], seed=0), sp)
         cfg = config.replace(memory_size=r["memory_size"])
         on = np.concatenate(
-            [evaluate.per_token_loss(params, cfg, d)[0][f[1:]] for d, f in zip(docs, refs)]
+            [evaluation.per_token_loss(params, cfg, d)[0][f[1:]] for d, f in zip(docs, refs)]
         )
         off = np.concatenate(
             [
-                evaluate.per_token_loss(mt.memory_off(params), cfg, d)[0][f[1:]]
+                evaluation.per_token_loss(mt.memory_off(params), cfg, d)[0][f[1:]]
                 for d, f in zip(docs, refs)
             ]
         )
@@ -972,8 +979,8 @@ def test_every_evaluation_reports_each_bands_loss_with_the_memory_off_beside_it(
         argparse.Namespace(data=None, data_format=None), run_args, sp, config
     )
     doc = np.asarray(docs[0][:301])
-    losses, _ = evaluate.per_token_loss(params, config, doc)
-    off, _ = evaluate.per_token_loss(mt.memory_off(params), config, doc)
+    losses, _ = evaluation.per_token_loss(params, config, doc)
+    off, _ = evaluation.per_token_loss(mt.memory_off(params), config, doc)
     window = config.segment_length + config.cache_length
     band = data.repeat_bands(doc, window, config.memory_size)
     assert sum(r[f"{b}_tokens"] for b in data.REPEAT_BANDS) + np.sum(band == "beyond") == 300

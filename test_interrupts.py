@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import cli
 import runs
 from conftest import child_env
 from test_train import FAST, HERE, ending
@@ -254,15 +255,15 @@ def test_a_ctrl_c_that_python_drops_is_delivered_again_and_stops_the_command(cap
         return 0
 
     t = time.time()
-    assert runs.run_command(command, None) == 130  # stopped by the Ctrl-C, delivered again
+    assert cli.run_command(command, None) == 130  # stopped by the Ctrl-C, delivered again
     assert time.time() - t < 60
     assert capsys.readouterr().err == "interrupted; no file was left half-written.\n"
     # Delivered again to what SIGINT does by then: the training loop's flag, not an exception.
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with runs.dropped_interrupts_raised_again(delay=0.3):
+        with cli.dropped_interrupts_raised_again(delay=0.3):
             drop_a_ctrl_c()
-            with runs.interrupt_flag() as stop:
+            with cli.interrupt_flag() as stop:
                 busy(3, until=lambda: stop["signal"])
         assert stop["signal"] == signal.SIGINT
     finally:
@@ -275,9 +276,9 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
     compare is held after its first evaluation (of two, before the CSV) for up to a minute: unheld,
     both take about a second, and the command could end before the signal came."""
     held = (
-        "import sys, time, runs, evaluate; first = evaluate.per_token_loss; "
-        "evaluate.per_token_loss = lambda *a: (first(*a), time.sleep(60))[0]; "
-        "runs.exit_with(evaluate.main(sys.argv[1:]))"
+        "import sys, time, cli, evaluate, evaluation; first = evaluation.per_token_loss; "
+        "evaluation.per_token_loss = lambda *a: (first(*a), time.sleep(60))[0]; "
+        "cli.exit_with(evaluate.main(sys.argv[1:]))"
     )
     argv = [
         "compare",
@@ -295,7 +296,7 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
         assert_interrupted(*ending(proc))
     assert not (tmp_path / "c.csv").exists()
     with stopped_at_the_end(
-        launch("benchmark.py", ["--memory-sizes", "0", "--steps", "1000"])
+        launch("benchmark.py", ["--memory-sizes", "0", "--timed-steps", "1000"])
     ) as proc:
         for _ in range(200):
             kids = children(proc.pid)
@@ -319,7 +320,7 @@ def peer_benchmark_stopped(tmp_path_factory):
     with stopped_at_the_end(
         launch(
             "benchmark.py",
-            ["--memory-sizes", "0", "--steps", "1000", "--peer", sys.executable],
+            ["--memory-sizes", "0", "--timed-steps", "1000", "--peer", sys.executable],
             child_env(),
         )
     ) as proc:
@@ -356,7 +357,7 @@ def test_a_reader_that_stops_reading_stdout_ends_the_command_quietly(size, code,
     keeps its own code. stdout is block-buffered here, as in a shell pipe, so a short line waits
     for the flush at exit."""
     command = f"lambda args: print('x' * {size}) or {code}"
-    child = f"import runs; runs.exit_with(runs.run_command({command}, None))"
+    child = f"import cli; cli.exit_with(cli.run_command({command}, None))"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen(
         [sys.executable, "-c", child],
@@ -376,8 +377,8 @@ def test_a_path_that_is_not_utf8_is_printed_as_its_bytes_under_any_utf8_locale()
     'strict', here forced by PYTHONIOENCODING) printing it once failed midway through a run,
     after its first files were written."""
     child = (
-        "import argparse, runs; p = argparse.ArgumentParser(); p.add_argument('out'); "
-        "runs.exit_with(runs.run_main(p, lambda args: print('run', args.out) or 0, None))"
+        "import argparse, cli; p = argparse.ArgumentParser(); p.add_argument('out'); "
+        "cli.exit_with(cli.run_main(p, lambda args: print('run', args.out) or 0, None))"
     )
     env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
     proc = subprocess.run(
@@ -428,7 +429,7 @@ def test_out_of_device_memory_is_one_line_and_other_runtime_errors_are_not_hidde
         jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes"),
         MemoryError(),
     ):
-        assert runs.run_command(raising(error), None) == 2
+        assert cli.run_command(raising(error), None) == 2
         assert capsys.readouterr().err == (
             "error: the device ran out of memory; lower --batch-size, "
             "--segment-length or --memory-size.\n"
@@ -439,7 +440,7 @@ def test_out_of_device_memory_is_one_line_and_other_runtime_errors_are_not_hidde
         AssertionError("a bug"),
     ):
         with pytest.raises(type(error), match="a bug"):  # a bug of ours stays a traceback
-            runs.run_command(raising(error), None)
+            cli.run_command(raising(error), None)
 
 
 def test_an_empty_compilation_cache_entry_left_by_an_interrupt_is_compiled_anew_without_a_warning(
@@ -486,10 +487,10 @@ def test_a_signal_after_the_command_returned_does_not_change_how_it_ended(sig, c
     child = (
         "import atexit, os, startup\n"
         "startup.leave_on_early_signals()\n"  # as each script does before it imports JAX
-        "import runs\n"
+        "import cli\n"
         f"atexit.register(lambda: (os.kill(os.getpid(), {int(sig)}), "
         "__import__('time').sleep(1)))\n"
-        f"runs.exit_with(runs.run_command(lambda args: print('done') or {code}, None))\n"
+        f"cli.exit_with(cli.run_command(lambda args: print('done') or {code}, None))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", child], cwd=HERE, capture_output=True, text=True, timeout=120

@@ -46,7 +46,7 @@ def test_the_local_attention_kernel_equals_the_plain_one_and_explicit_loops(
     """The queries in 1, 2 or 4 blocks (whichever a backend uses), or the fused call (with the
     masks it takes: prefixes of the cache and of the segment)."""
     rng = np.random.default_rng(seed)
-    cfg = SMALL.replace(xl_cache=xl, attention=attention)
+    cfg = SMALL.replace(xl_cache=xl)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (rng.standard_normal((B, n, H, D)).astype(np.float32) for n in (T, C + T, C + T))
     key_valid = prefix_valid(rng, B, C, T) if attention == "fused" else rng.random((B, C + T)) < 0.8
@@ -57,9 +57,8 @@ def test_the_local_attention_kernel_equals_the_plain_one_and_explicit_loops(
     scale = rng.uniform(1, 5, H).astype(np.float32)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "query_block", lambda T: T // blocks)
-        f = jax.jit(
-            lambda *a: kernels.local_attention(*a), static_argnums=6
-        )  # traced anew: with this patch
+        local = kernels.fast(attention=attention).local_attention
+        f = jax.jit(lambda *a: local(*a), static_argnums=6)  # traced anew: with this patch
         got = heads_first(f(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg))
     plain = heads_first(
         mt.local_attention(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg)
@@ -81,7 +80,7 @@ def test_the_local_attention_kernels_gradients_are_the_plain_ones_and_none_for_t
     (forward stops its gradient): the kernel computes none for it, exactly 0."""
     if blocks:
         monkeypatch.setattr(kernels, "query_block", lambda T: T // blocks)
-    cfg = SMALL.replace(attention=attention)
+    cfg, local = SMALL, kernels.fast(attention=attention).local_attention
     C, T = cfg.cache_length, cfg.segment_length
     key_valid = (
         prefix_valid(np.random.default_rng(7), 2, C, T)
@@ -90,7 +89,7 @@ def test_the_local_attention_kernels_gradients_are_the_plain_ones_and_none_for_t
     )
     key_valid = jnp.asarray(key_valid).at[:, C:].set(True)
     model = lambda q, k, v, bias, scale: heads_first(
-        kernels.local_attention(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg)
+        local(*map(heads_first, (q, k, v)), key_valid, bias, scale, cfg)
     )
     got, want, rounding = local_attention_gradients(model, key_valid, cfg)
     for g, w, r, name in zip(got, want, rounding, ("q", "k", "v", "rel_bias", "scale")):
@@ -188,7 +187,7 @@ def test_the_fused_attention_equals_the_plain_one_under_jit_for_any_mask(kind):
     """Its key lengths are exact only when the segment's and the cache's valid keys are prefixes;
     under jit, with a mask of any other kind, it still gives the plain attention's values and
     gradients (it takes the plain form for such a batch)."""
-    cfg = SMALL.replace(attention="fused")
+    cfg = SMALL
     B, T, H, D, C = 3, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     rng = np.random.default_rng(13)
     q, k, v = (
@@ -214,7 +213,7 @@ def test_the_fused_attention_equals_the_plain_one_under_jit_for_any_mask(kind):
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     (got, got_grads), (want, want_grads) = map(
-        value_and_grads, (kernels.local_attention, mt.local_attention)
+        value_and_grads, (kernels.fused_local_attention, mt.local_attention)
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     for g, w in zip(got_grads, want_grads):
@@ -233,9 +232,7 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_plain_one_in_float
     """On a GPU, --attention fused with bfloat16 runs cuDNN's kernel (bf16 inputs and bias): its
     output and gradients stay within bf16 rounding of the plain float32 math."""
     rng = np.random.default_rng(3)
-    cfg = SMALL.replace(
-        segment_length=64, head_dim=64, num_heads=2, d_model=128, memory_size=0, attention="fused"
-    )
+    cfg = SMALL.replace(segment_length=64, head_dim=64, num_heads=2, d_model=128, memory_size=0)
     B, T, H, D, C = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.cache_length
     q, k, v = (
         mt.l2_normalize(jnp.asarray(rng.standard_normal((B, H, n, D)), jnp.float32))
@@ -263,7 +260,7 @@ def test_cudnn_fused_attention_in_bfloat16_stays_close_to_the_plain_one_in_float
 
     (want, want_grads), (got, got_grads) = (
         run(mt.local_attention, jnp.float32),
-        run(kernels.local_attention, jnp.bfloat16),
+        run(kernels.fused_local_attention, jnp.bfloat16),
     )
     np.testing.assert_allclose(
         got, want, rtol=0.02, atol=0.02 * float(jnp.sum(jnp.abs(r))) / r.size**0.5
@@ -319,10 +316,11 @@ def test_the_attention_over_retrieved_pairs_in_terms_equals_the_plain_one_with_i
 # ----------------------------------------------------------------------------- the whole model
 @pytest.mark.parametrize("attention", ["explicit", "fused"])
 def test_the_kernels_in_bfloat16_stay_within_bfloat16_rounding_of_the_plain_pieces(attention):
-    """--dtype bfloat16 with kernels.FAST against mt.PLAIN in bfloat16, on a CPU as anywhere:
+    """--dtype bfloat16 with kernels.fast against mt.PLAIN in bfloat16, on a CPU as anywhere:
     random T5 tables and gates, so that the bias and gate paths are used, a reset and padding.
     Each computes in its own order, so they agree to bf16's 8 bits, not bit for bit."""
-    cfg = SMALL.replace(exact_topk=True, attention=attention, dtype="bfloat16")
+    cfg = SMALL.replace(exact_topk=True, dtype="bfloat16")
+    fast = kernels.fast(cfg.memory_chunk, attention)
     params = randomize(mt.init_params(cfg, jax.random.PRNGKey(4)), 4)
     tokens, T = random_tokens(5, cfg, 2, 4), cfg.segment_length
     mask = jnp.asarray(np.arange(T)[None] < np.array([[T], [T - 3]]))
@@ -334,7 +332,7 @@ def test_the_kernels_in_bfloat16_stay_within_bfloat16_rounding_of_the_plain_piec
             return masked_loss(logits, tokens, mask), (logits, new)
 
         grad = jax.value_and_grad(loss, has_aux=True)
-        return [grad(params, ops) for ops in (mt.PLAIN, kernels.FAST)]
+        return [grad(params, ops) for ops in (mt.PLAIN, fast)]
 
     state = mt.init_state(cfg, 2)
     for n in range(4):
@@ -355,10 +353,11 @@ def test_the_kernels_in_bfloat16_stay_within_bfloat16_rounding_of_the_plain_piec
 def test_forward_with_the_kernels_equals_forward_with_the_plain_pieces_and_so_do_its_gradients(
     attention,
 ):
-    """kernels.FAST against mt.PLAIN over a document of several segments (exact top-k, so that both
+    """kernels.fast against mt.PLAIN over a document of several segments (exact top-k, so that both
     retrieve the same pairs), a reset and padding: the logits, the state, and the loss's
     gradients."""
-    cfg = SMALL.replace(exact_topk=True, attention=attention)
+    cfg = SMALL.replace(exact_topk=True)
+    fast = kernels.fast(cfg.memory_chunk, attention)
     params = randomize(mt.init_params(cfg, jax.random.PRNGKey(2)), 2)
     tokens, T = random_tokens(3, cfg, 2, 5), cfg.segment_length
     mask = np.ones((2, T), bool)
@@ -372,9 +371,7 @@ def test_forward_with_the_kernels_equals_forward_with_the_plain_pieces_and_so_do
             )
             return masked_loss(logits, tokens, jnp.asarray(mask)), (logits, new)
 
-        return [
-            jax.value_and_grad(loss, has_aux=True)(params, ops) for ops in (mt.PLAIN, kernels.FAST)
-        ]
+        return [jax.value_and_grad(loss, has_aux=True)(params, ops) for ops in (mt.PLAIN, fast)]
 
     state = mt.init_state(cfg, 2)
     for n in range(5):

@@ -2,7 +2,7 @@
 
 References are independent of the model code: dense softmax attention in numpy float64, explicit
 loops, and a one-shot numpy model over the whole document. The whole model is checked with its
-plain pieces and with kernels.FAST, which every script runs (test_kernels.py holds each drop-in to
+plain pieces and with FAST, which every script runs (test_kernels.py holds each drop-in to
 its piece).
 """
 
@@ -15,14 +15,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import evaluation
 import kernels
 import memorizing_transformer as mt
+import optimizer
+import presets
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
 SETTINGS = settings(deadline=None, max_examples=12, derandomize=True)
 
 # A few fixed shapes, so that jit compiles each once.
-SMALL = mt.Config(
+SMALL = presets.RunConfig(  # a RunConfig: some tests train it
     vocab_size=61,
     d_model=32,
     num_layers=2,
@@ -36,8 +39,10 @@ SMALL = mt.Config(
     memory_chunk=16,
     batch_size=2,
 )
+FAST = kernels.fast(memory_chunk=SMALL.memory_chunk)  # the memory in pieces of 16 slots
+FUSED = kernels.fast(memory_chunk=SMALL.memory_chunk, attention="fused")
 forward = jax.jit(mt.forward, static_argnames=("config", "return_retrievals", "ops"))
-OPS = pytest.mark.parametrize("ops", [mt.PLAIN, kernels.FAST], ids=["plain", "fast"])
+OPS = pytest.mark.parametrize("ops", [mt.PLAIN, FAST], ids=["plain", "fast"])
 
 
 # ----------------------------------------------------------------------------- numpy references
@@ -176,7 +181,7 @@ def masked_loss(logits, targets, mask):
     return jnp.sum(mt.cross_entropy(logits, targets) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def stream(params, tokens, config, state=None, reset_first=True, ops=kernels.FAST, mask=None):
+def stream(params, tokens, config, state=None, reset_first=True, ops=FAST, mask=None):
     """Run the model segment by segment over tokens [B, N*T]; returns logits [B, N*T, V]."""
     B, T = tokens.shape[0], config.segment_length
     state = mt.init_state(config, B) if state is None else state
@@ -340,8 +345,8 @@ def knn_pieces(name):
     """The pieces knn_attention retrieves and attends with: the plain ones, or the kernels'."""
     search, attend = {
         "plain": (mt.memory_search, mt.attend_to_retrieved),
-        "kernels": (kernels.memory_search, kernels.attend_to_retrieved),
-        "in terms": (kernels.memory_search, kernels.attend_in_terms),
+        "kernels": (FAST.memory_search, kernels.attend_to_retrieved),
+        "in terms": (FAST.memory_search, kernels.attend_in_terms),
     }[name]
     return mt.PLAIN._replace(memory_search=search, attend_to_retrieved=attend)
 
@@ -366,9 +371,13 @@ def test_knn_attention_with_k_equal_to_valid_entries_equals_dense_attention(seed
     for b in range(B):
         valid[b, rng.choice(M, fill, replace=False)] = True
     scale = rng.uniform(1, 5, H).astype(np.float32)
-    out, has, lse, _, _ = jax.jit(mt.knn_attention, static_argnums=(5, 6))(
+    found = jax.jit(mt.knn_attention, static_argnums=(5, 6))(
         heads_first(q), mk, mv, valid, scale, cfg, knn_pieces(pieces)
     )
+    out, has = found.out, found.has_memory
+    lse = mt.masked_logsumexp(
+        mt.retrieved_logits(heads_first(q), mk, found.slots, scale, cfg), found.valid
+    )  # [B, H, T]: the joint combine's
     logits = np.einsum("bthd,bhmd->bhtm", q, mk) * scale[None, :, None, None]  # [B, H, T, M]
     w = np_softmax_masked(logits, valid[:, None, None, :])
     np.testing.assert_allclose(heads_first(out), np.einsum("bhtm,bhmd->bthd", w, mv), atol=1e-5)
@@ -399,7 +408,7 @@ def test_knn_attention_gradients_equal_those_of_dense_attention(pieces):
         w = jax.nn.softmax(jnp.where(valid[:, None, None, :], logits, -jnp.inf), axis=-1)
         return jnp.einsum("bhtm,bhmd->bhtd", w, mv)
 
-    model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, knn_pieces(pieces))[0]
+    model = lambda q, scale: mt.knn_attention(q, mk, mv, valid, scale, cfg, knn_pieces(pieces)).out
     grads = [
         jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * r), argnums=(0, 1)))(q, scale)
         for f in (model, dense)
@@ -430,11 +439,11 @@ def test_the_joint_combine_is_one_softmax_over_retrieved_and_local_pairs_with_it
 
     def model(q, k, v):
         out = mt.local_attention(q, k, v, key_valid, rel_bias, scale, cfg)
-        mem_out, has, mem_lse, _, _ = mt.knn_attention(
-            q, mk, mv, mem_valid, scale, cfg, knn_pieces(pieces)
-        )
+        found = mt.knn_attention(q, mk, mv, mem_valid, scale, cfg, knn_pieces(pieces))
+        retrieved = mt.retrieved_logits(q, mk, found.slots, scale, cfg)  # [B, H, T, K]
+        mem_lse = mt.masked_logsumexp(retrieved, found.valid)
         local_lse = mt.masked_logsumexp(*mt.local_logits(q, k, key_valid, rel_bias, scale, cfg))
-        return mt.combine(out, mem_out, has, gate_bias, (mem_lse, local_lse), cfg)
+        return mt.combine(out, found, gate_bias, cfg, (mem_lse, local_lse))
 
     def one_softmax(q, k, v):
         local, visible = mt.local_logits(q, k, key_valid, rel_bias, scale, cfg)  # [B, H, T, 2T]
@@ -469,7 +478,7 @@ def test_knn_attention_on_empty_memory_is_finite_with_finite_gradients(pieces):
     zeros = jnp.zeros((B, H, M, D))
     f = lambda q: mt.knn_attention(
         q, zeros, zeros, jnp.zeros((B, M), bool), jnp.ones(H), cfg, knn_pieces(pieces)
-    )[0].sum()
+    ).out.sum()
     value, g = jax.jit(jax.value_and_grad(f))(q)
     assert np.isfinite(value) and np.all(np.isfinite(g))
 
@@ -498,14 +507,10 @@ def randomize(params, seed):
     return dict(params, layers=layers)
 
 
-@pytest.mark.parametrize(
-    "ops, attention",
-    [(mt.PLAIN, "explicit"), (kernels.FAST, "explicit"), (kernels.FAST, "fused")],
-    ids=["plain", "fast", "fast-fused"],
-)
+@pytest.mark.parametrize("ops", [mt.PLAIN, FAST, FUSED], ids=["plain", "fast", "fast-fused"])
 @pytest.mark.parametrize("xl", [True, False])
-def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl, ops, attention):
-    cfg = SMALL.replace(memory_size=0, xl_cache=xl, attention=attention)
+def test_streaming_without_memory_equals_one_pass_with_banded_mask(xl, ops):
+    cfg = SMALL.replace(memory_size=0, xl_cache=xl)
     params = randomize(mt.init_params(cfg, jax.random.PRNGKey(1)), 1)
     tokens = random_tokens(0, cfg, 2, 4)
     got, _ = stream(params, tokens, cfg, ops=ops)
@@ -551,10 +556,10 @@ def test_the_add_and_joint_combines_equal_their_dense_references(params, combine
 
 
 def test_memory_streaming_with_fused_local_attention_equals_dense_attention(params):
-    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, attention="fused")
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size)
     params = randomize(params, 3)
     tokens = random_tokens(4, cfg, 2, cfg.memory_size // cfg.segment_length + 1)
-    got, _ = stream(params, tokens, cfg)
+    got, _ = stream(params, tokens, cfg, ops=FUSED)
     np.testing.assert_allclose(
         got, reference_forward(params, np.asarray(tokens), cfg), atol=2e-4, rtol=2e-4
     )
@@ -617,7 +622,7 @@ def test_an_all_padding_segment_costs_the_memory_nothing(params, ops):
     cfg, T, M = SMALL, SMALL.segment_length, SMALL.memory_size
     segments = M // T + 1
     _, state = stream(params, random_tokens(13, cfg, 2, segments), cfg, ops=ops)
-    full = mt.commit_memory(state, jnp.zeros(2, bool))
+    full = mt.commit_memory(state, jnp.zeros(2, bool), cfg)
     assert np.asarray(full.mem_valid).sum(1).tolist() == [M, M]
     padding = jnp.asarray([[False] * T, [True] * T])
     _, state = forward(
@@ -643,8 +648,8 @@ def test_changing_a_later_token_never_changes_an_earlier_logit(params, pos, seed
     tokens = np.asarray(random_tokens(seed, SMALL, 2, 4))
     changed = tokens.copy()
     changed[:, pos] = (changed[:, pos] + 1) % SMALL.vocab_size
-    a, _ = stream(params, jnp.asarray(tokens), SMALL, ops=kernels.FAST)
-    b, _ = stream(params, jnp.asarray(changed), SMALL, ops=kernels.FAST)
+    a, _ = stream(params, jnp.asarray(tokens), SMALL, ops=FAST)
+    b, _ = stream(params, jnp.asarray(changed), SMALL, ops=FAST)
     np.testing.assert_array_equal(a[:, :pos], b[:, :pos])
     assert not np.allclose(a[:, pos:], b[:, pos:])
 
@@ -658,9 +663,9 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
     for i in range(n):
         tokens = random_tokens(100 + i, cfg, 2, 1)
         _, state = forward(params, state, tokens, jnp.full((2,), i == 0), cfg)
-        written.append(np.asarray(state.cache_k[:, cfg.memory_layers[0]]))  # [B, H, T, D]
+        written.append(np.asarray(state.prev_k[:, cfg.memory_layers[0]]))  # [B, H, T, D]
     # The last segment is pending until the next call appends it; commit it to see the memory.
-    committed = mt.commit_memory(state, jnp.zeros(2, bool))
+    committed = mt.commit_memory(state, jnp.zeros(2, bool), cfg)
     mem_k, valid, pos = map(np.asarray, (committed.mem_k, committed.mem_valid, committed.mem_pos))
     assert valid.sum(1).tolist() == [min(n * T, M)] * 2
     slots_per_segment = M // T
@@ -671,7 +676,7 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
     assert pos.tolist() == [(n * T) % M] * 2
     # A reset clears only the flagged rows.
     _, state = forward(params, state, random_tokens(7, cfg, 2, 1), jnp.array([True, False]), cfg)
-    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool)).mem_valid)
+    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool), cfg).mem_valid)
     assert valid.sum(1).tolist() == [T, min((n + 1) * T, M)]
 
 
@@ -680,7 +685,8 @@ def test_ring_buffer_keeps_the_last_m_entries_in_fifo_order(params, n):
 )
 def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(reset):
     """Ethics section: a reset row's memory is zeros, not only flagged invalid; the other rows
-    keep every slot and get the pending segment at their write position. Numpy reference."""
+    keep every slot and get the last segment's memory-layer keys at their write position. Numpy
+    reference."""
     cfg, T, M = SMALL, SMALL.segment_length, SMALL.memory_size
     rng = np.random.default_rng(5)
     state = mt.init_state(cfg, 4)
@@ -689,23 +695,24 @@ def test_commit_memory_zeroes_exactly_the_reset_rows_and_appends_to_the_others(r
     state = state._replace(
         mem_k=draw(state.mem_k),
         mem_v=draw(state.mem_v),
-        pending_k=draw(state.pending_k),
-        pending_v=draw(state.pending_v),
+        prev_k=draw(state.prev_k),
+        prev_v=draw(state.prev_v),
         mem_valid=jnp.ones((4, M), bool),
-        pending_valid=jnp.ones((4, T), bool),
+        prev_valid=jnp.ones((4, T), bool),
         mem_pos=jnp.asarray(pos, jnp.int32),
     )
-    got = jax.jit(mt.commit_memory)(state, jnp.asarray(reset))
-    for mem, pending, new in (
-        (state.mem_k, state.pending_k, got.mem_k),
-        (state.mem_v, state.pending_v, got.mem_v),
+    got = jax.jit(mt.commit_memory, static_argnums=2)(state, jnp.asarray(reset), cfg)
+    layer = cfg.memory_layers[0]
+    for mem, prev, new in (
+        (state.mem_k, state.prev_k, got.mem_k),
+        (state.mem_v, state.prev_v, got.mem_v),
     ):
         want = np.array(mem)
         for b in range(4):
             if reset[b]:
                 want[b] = 0
             else:
-                want[b, :, :, pos[b] : pos[b] + T] = pending[b]
+                want[b, 0, :, pos[b] : pos[b] + T] = prev[b, layer]
         np.testing.assert_array_equal(new, want)
     assert np.asarray(got.mem_pos).tolist() == [0 if r else (p + T) % M for r, p in zip(reset, pos)]
 
@@ -721,7 +728,7 @@ def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it()
     def compiled(M):
         c = SMALL.replace(num_layers=1, memory_layers=(0,), memory_size=M)
         params = jax.eval_shape(lambda: mt.init_params(c, jax.random.PRNGKey(0)))
-        opt_state = jax.eval_shape(train.make_optimizer(c)[0], params)
+        opt_state = jax.eval_shape(optimizer.make_optimizer(c)[0], params)
         state = jax.eval_shape(lambda: mt.init_state(c, c.batch_size))
         tokens = jax.ShapeDtypeStruct((c.batch_size, c.segment_length), jnp.int32)
         batch = {
@@ -733,7 +740,7 @@ def test_the_train_step_updates_the_memory_where_it_lies_and_copies_none_of_it()
         # On a GPU, XLA then picks each matmul's kernel by its defaults, not by timing candidates
         # on the card, which could give one size a library matmul with its own workspace.
         step = (
-            train.make_train_step(train.step_config(c))
+            train.make_train_step(evaluation.step_config(c))
             .lower(params, opt_state, state, batch)
             .compile(compiler_options={"xla_gpu_autotune_level": 0})
         )
@@ -759,9 +766,9 @@ def test_padding_is_never_stored_as_a_valid_entry(params):
         cfg,
         mask=jnp.asarray(mask),
     )
-    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool)).mem_valid)
+    valid = np.asarray(mt.commit_memory(state, jnp.zeros(2, bool), cfg).mem_valid)
     assert valid.sum(1).tolist() == [5, cfg.segment_length]
-    assert np.asarray(state.cache_valid).sum(1).tolist() == [5, cfg.segment_length]
+    assert np.asarray(state.prev_valid).sum(1).tolist() == [5, cfg.segment_length]
 
 
 def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(params):
@@ -771,20 +778,18 @@ def test_a_reset_row_equals_a_fresh_state_and_rows_never_affect_each_other(param
     cfg = SMALL
     history = random_tokens(3, cfg, 2, 5)  # fills the memory past wrap-around
     doc = random_tokens(4, cfg, 2, 3)
-    _, state = stream(params, history, cfg, ops=kernels.FAST)
+    _, state = stream(params, history, cfg, ops=FAST)
     # Row 0 starts a new document; row 1 continues its old one.
     logits, out = [], state
     for n in range(3):
         seg = doc[:, n * cfg.segment_length : (n + 1) * cfg.segment_length]
-        lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg, ops=kernels.FAST)
+        lg, out = forward(params, out, seg, jnp.array([n == 0, False]), cfg, ops=FAST)
         logits.append(lg)
     logits = jnp.concatenate(logits, axis=1)
-    fresh, _ = stream(params, doc[:1], cfg, ops=kernels.FAST)
+    fresh, _ = stream(params, doc[:1], cfg, ops=FAST)
     np.testing.assert_allclose(logits[0], fresh[0], atol=1e-5, rtol=1e-5)
     # Row 1 alone, with the same history, gives the same numbers as in the batch.
-    alone, _ = stream(
-        params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg, ops=kernels.FAST
-    )
+    alone, _ = stream(params, jnp.concatenate([history[1:], doc[1:]], axis=1), cfg, ops=FAST)
     np.testing.assert_allclose(logits[1], alone[0, history.shape[1] :], atol=1e-5, rtol=1e-5)
 
 
@@ -792,14 +797,14 @@ def test_no_gradient_flows_into_memory_or_cache_but_reaches_queries_gate_and_loc
     cfg = SMALL
     params = randomize(params, 3)
     tokens = random_tokens(5, cfg, 2, 3)
-    _, state = stream(params, tokens[:, : 2 * cfg.segment_length], cfg, ops=kernels.FAST)
+    _, state = stream(params, tokens[:, : 2 * cfg.segment_length], cfg, ops=FAST)
     seg = tokens[:, 2 * cfg.segment_length :]
 
-    names = ("cache_k", "cache_v", "mem_k", "mem_v", "pending_k", "pending_v")
+    names = ("prev_k", "prev_v", "mem_k", "mem_v")
 
     def f(params, arrays):
         logits, _ = mt.forward(
-            params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg, ops=kernels.FAST
+            params, state._replace(**arrays), seg, jnp.zeros(2, bool), cfg, ops=FAST
         )
         return masked_loss(logits, seg, jnp.ones(seg.shape, bool))
 
@@ -816,7 +821,7 @@ def test_memory_off_ablation_equals_local_only_reference(params, combine):
     cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, memory_combine=combine)
     params = randomize(params, 4)
     tokens = random_tokens(6, cfg, 2, 3)
-    got, _ = stream(mt.memory_off(params), tokens, cfg, ops=kernels.FAST)
+    got, _ = stream(mt.memory_off(params), tokens, cfg, ops=FAST)
     local = reference_forward(params, np.asarray(tokens), SMALL.replace(memory_size=0))
     np.testing.assert_allclose(got, local, atol=2e-4, rtol=2e-4)
 
@@ -858,7 +863,7 @@ def test_config_rejects_bad_fields_with_a_clear_sentence(changes, field):
 
 
 def test_presets_are_valid_and_paper_matches_section_4_2():
-    p = mt.PRESETS["paper"]
+    p = presets.PRESETS["paper"]
     assert (p.num_layers, p.d_model, p.num_heads, p.head_dim, p.d_ff, p.vocab_size) == (
         12,
         1024,
@@ -884,7 +889,7 @@ def test_bfloat16_compute_and_memory_stay_close_to_float32(params):
     want, _ = stream(params, tokens, SMALL)
     got, state = stream(params, tokens, SMALL.replace(dtype="bfloat16"))
     assert (
-        got.dtype == jnp.float32 and state.mem_k.dtype == state.cache_k.dtype == jnp.bfloat16
+        got.dtype == jnp.float32 and state.mem_k.dtype == state.prev_k.dtype == jnp.bfloat16
     )  # as dtype
     assert (
         mt.init_state(SMALL.replace(dtype="bfloat16", memory_dtype="float32"), 1).mem_k.dtype
@@ -915,13 +920,11 @@ def test_fully_masked_rows_stay_finite_forward_and_backward(params, history, res
     cfg = SMALL
     state = mt.init_state(cfg, 2)
     if history:
-        _, state = stream(params, random_tokens(history, cfg, 2, history), cfg, ops=kernels.FAST)
+        _, state = stream(params, random_tokens(history, cfg, 2, history), cfg, ops=FAST)
     mask = jnp.arange(cfg.segment_length)[None, :] < jnp.asarray(valid)[:, None]  # [B, T]
     seg = random_tokens(11, cfg, 2, 1)
 
-    (value, logits), grads = loss_and_grad(
-        params, state, seg, jnp.asarray(reset), mask, ops=kernels.FAST
-    )
+    (value, logits), grads = loss_and_grad(params, state, seg, jnp.asarray(reset), mask, ops=FAST)
     assert np.isfinite(value) and np.all(np.isfinite(logits))
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
@@ -942,12 +945,12 @@ def test_a_secret_document_leaves_no_trace_in_the_next_documents_logits_or_retri
                 jnp.full((2,), n == 0),
                 cfg,
                 return_retrievals=True,
-                ops=kernels.FAST,
+                ops=FAST,
             )
             out.append((np.asarray(logits), np.asarray(r["slots"]), np.asarray(r["weights"])))
         return out
 
-    _, after_secret = stream(params, secret, cfg, ops=kernels.FAST)
+    _, after_secret = stream(params, secret, cfg, ops=FAST)
     with_a, without_a = run_b(after_secret), run_b(mt.init_state(cfg, 2))
     for n, ((la, sa, wa), (lb, sb, wb)) in enumerate(zip(with_a, without_a)):
         np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)

@@ -15,6 +15,7 @@ from hypothesis import example, given, strategies as st
 
 import kernels
 import memorizing_transformer as mt
+import presets
 from test_memorizing_transformer import SETTINGS, SMALL, heads_first, np_unit
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # shape mistakes fail loudly
@@ -27,7 +28,9 @@ SEARCHES = {
 
 def search(name, q, mk, valid, cfg):
     """SEARCHES[name] of q [B, T, H, D] (the references' layout), jitted: numpy scores and slots."""
-    f = jax.jit(SEARCHES[name], static_argnums=4)
+    f = SEARCHES[name]
+    f = f if name == "plain" else functools.partial(f, chunk=cfg.memory_chunk)  # cfg's pieces
+    f = jax.jit(f, static_argnums=4)
     return tuple(map(np.asarray, f(heads_first(q), mk, valid, jnp.ones(q.shape[2]), cfg)))
 
 
@@ -111,24 +114,24 @@ def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fil
 )
 @example(seed=2, fill=1024, chunk=512, name="kernel")  # pieces of 4 whole rows
 def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, name):
-    """Slot s is in bin s mod L; the answer is the exact top-k of the L bins' best valid slots, the
+    """Slot s is in bin s mod G; the answer is the exact top-k of the G bins' best valid slots, the
     lower bin first among equal maxima, and of a bin's equal best slots the lowest (integer scores,
-    many of them equal, which no key rounds). The memory is 8 rows of L = 128 slots; the kernel
+    many of them equal, which no key rounds). The memory is 8 rows of G = 128 slots; the kernel
     scores it in pieces of 4 or 32 slots of one row, or of 4 whole rows."""
     cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
     B, T, H, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.memory_size, cfg.num_neighbors
-    L = mt.num_topk_bins(K, M, cfg.topk_recall_target)
-    assert L == 128  # bins of 8 slots
+    G = mt.num_topk_bins(K, M, cfg.topk_recall_target)
+    assert G == 128  # bins of 8 slots
     scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, name)
     valid = np.isfinite(s[:, 0, 0])  # [B, M]
-    best, best_slot = np.full((B, H, T, L), -np.inf), np.zeros((B, H, T, L), int)
+    best, best_slot = np.full((B, H, T, G), -np.inf), np.zeros((B, H, T, G), int)
     for slot in range(
         M
     ):  # the bins' maxima, one slot at a time: the first slot of a bin's best score
-        better = s[..., slot] > best[..., slot % L]
-        best[..., slot % L] = np.where(better, s[..., slot], best[..., slot % L])
-        best_slot[..., slot % L] = np.where(better, slot, best_slot[..., slot % L])
-    found = min([K] + [len(set(np.flatnonzero(v) % L)) for v in valid])  # bins holding a valid slot
+        better = s[..., slot] > best[..., slot % G]
+        best[..., slot % G] = np.where(better, s[..., slot], best[..., slot % G])
+        best_slot[..., slot % G] = np.where(better, slot, best_slot[..., slot % G])
+    found = min([K] + [len(set(np.flatnonzero(v) % G)) for v in valid])  # bins holding a valid slot
     want = np.argsort(-best, axis=-1, kind="stable")[
         ..., :found
     ]  # the best bins, the lower one first among equals
@@ -137,7 +140,7 @@ def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed,
 
 
 def test_the_kernels_binned_search_ranks_float32_scores_to_their_leading_mantissa_bits():
-    """The kernel's top-k ranks keys whose low log2(L) bits hold the bin (6 bits for L = 64), so
+    """The kernel's top-k ranks keys whose low log2(G) bits hold the bin (6 bits for G = 64), so
     float32 scores are ranked to their leading 17 mantissa bits. Every query sees the same scores
     (q = e_0, scores = the keys' first entries): random ones, some slots with a twin 1.5 * 2^-17 or
     2^-22 of its score above it. Any two slots, kept and ranked after it or left out, are in order
@@ -212,8 +215,8 @@ def test_top_k_of_distinct_keys_equals_a_numpy_sort(seed, shape, k):
 
 
 def test_the_bin_layout_has_rows_of_a_power_of_two_the_largest_that_leaves_enough_bins():
-    """bin_layout: M = rows * L, rows a power of two dividing M, L at least num_topk_bins, and no
-    larger power of two would do; L = num_topk_bins where M is a power of two."""
+    """bin_layout: M = rows * G, rows a power of two dividing M, G at least num_topk_bins, and no
+    larger power of two would do; G = num_topk_bins where M is a power of two."""
     for k, m in [
         (8, 64),
         (32, 512),
@@ -225,11 +228,11 @@ def test_the_bin_layout_has_rows_of_a_power_of_two_the_largest_that_leaves_enoug
         (4, 40),
     ]:
         need = mt.num_topk_bins(k, m, 0.95)
-        L, rows = mt.bin_layout(k, m, 0.95)
-        assert L * rows == m and rows & (rows - 1) == 0 and L >= need
+        G, rows = mt.bin_layout(k, m, 0.95)
+        assert G * rows == m and rows & (rows - 1) == 0 and G >= need
         assert m % (2 * rows) or m // (2 * rows) < need  # the largest such rows
         if m & (m - 1) == 0:
-            assert L == need
+            assert G == need
     assert mt.bin_layout(32, 768, 0.95) == (768, 1) and mt.bin_layout(32, 3 * 2**12, 0.95) == (
         768,
         16,
@@ -252,15 +255,15 @@ def test_a_low_recall_target_still_leaves_k_bins_and_finds_each_bins_best_slot(t
         cfg.memory_size,
         cfg.num_neighbors,
     )
-    L = mt.num_topk_bins(K, M, target)
+    G = mt.num_topk_bins(K, M, target)
     rng = np.random.default_rng(0)
     q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)  # integer scores: exact keys
     mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
     scores, slots = search(name, q, mk, np.ones((B, M), bool), cfg)
     s = np.einsum("bthd,bhmd->bhtm", q, mk)  # [B, H, T, M]
-    best = s.reshape(B, H, T, M // L, L).max(axis=3)  # bin of slot s: s mod L
+    best = s.reshape(B, H, T, M // G, G).max(axis=3)  # bin of slot s: s mod G
     want = np.argsort(-best, axis=-1, kind="stable")[..., :K]
-    np.testing.assert_array_equal(slots % L, want)
+    np.testing.assert_array_equal(slots % G, want)
     np.testing.assert_array_equal(scores, np.take_along_axis(best, want, -1))
     np.testing.assert_array_equal(np.take_along_axis(s, slots, -1), scores)
 
@@ -279,7 +282,7 @@ def recall(slots, exact_slots):
 @pytest.mark.parametrize("name", sorted(SEARCHES))
 @pytest.mark.parametrize("memory_size", [8192, 65536])
 def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size, name):
-    cfg = mt.Config(
+    cfg = presets.RunConfig(
         memory_size=memory_size,
         segment_length=64,
         num_neighbors=32,
@@ -293,9 +296,9 @@ def test_approx_top_k_recall_on_random_unit_vectors_is_at_least_090(memory_size,
     _, approx = search(name, q, mk, np.ones((1, memory_size), bool), cfg)
     _, exact = jax.lax.top_k(jnp.einsum("bthd,bhmd->bhtm", q, mk), 32)
     r = recall(approx, np.asarray(exact))
-    L = mt.num_topk_bins(32, memory_size, cfg.topk_recall_target)
+    G = mt.num_topk_bins(32, memory_size, cfg.topk_recall_target)
     assert r >= 0.9, r
-    assert abs(r - (L / 32) * (1 - (1 - 1 / L) ** 32)) < 0.03  # the documented formula predicts it
+    assert abs(r - (G / 32) * (1 - (1 - 1 / G) ** 32)) < 0.03  # the documented formula predicts it
 
 
 @pytest.mark.parametrize("bits", [2, 7, 12])
@@ -322,7 +325,7 @@ def test_packed_scores_sort_like_the_scores_and_carry_their_row(bits):
 @pytest.mark.parametrize("name", sorted(SEARCHES))
 def test_approx_top_k_recall_with_bfloat16_queries_keys_and_scores_is_at_least_095(name):
     """Mixed precision searches bf16 keys with bf16 scores; against float32 exact top-k."""
-    cfg = mt.Config(
+    cfg = presets.RunConfig(
         memory_size=8192,
         segment_length=64,
         num_neighbors=32,

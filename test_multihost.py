@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+import cli
 import multihost
 import runs
 from test_train import FAST
@@ -353,18 +354,18 @@ def test_bad_flags_of_several_processes_get_one_sentence(tmp_path, flags, messag
 STEP_COLLECTIVES = """
 import json, re, sys
 import jax, numpy as np
-import memorizing_transformer as mt, multihost, train
-config = mt.PRESETS["tiny"].replace(num_layers=2, memory_layers=(1,), segment_length=32,
+import evaluation, memorizing_transformer as mt, multihost, optimizer, presets, train
+config = presets.PRESETS["tiny"].replace(num_layers=2, memory_layers=(1,), segment_length=32,
                                     memory_size=192, batch_size=8, vocab_size=512,
                                     grad_accum=int(sys.argv[1]))
 params = mt.init_params(config, jax.random.PRNGKey(0))
-opt_state = train.make_optimizer(config)[0](params)
+opt_state = optimizer.make_optimizer(config)[0](params)
 state = mt.init_state(config, config.batch_size)
 params, opt_state, state, place = multihost.distribute(params, opt_state, state)
 B, T = config.batch_size, config.segment_length
 batch = place(dict(tokens=np.zeros((B, T), np.int32), targets=np.zeros((B, T), np.int32),
                    mask=np.ones((B, T), bool), reset=np.zeros(B, bool)))
-step = train.make_train_step(train.step_config(config))
+step = train.make_train_step(evaluation.step_config(config))
 text = step.lower(params, opt_state, state, batch).compile().as_text()
 ops = "all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce"
 print(json.dumps(re.findall(r"= (.*?) (?:" + ops + r")(?:-start)?\\(", text)))
@@ -404,7 +405,7 @@ def test_a_coordinator_port_where_an_http_server_listens_is_refused_before_jax_j
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         address = f"127.0.0.1:{server.server_address[1]}"
-        with pytest.raises(runs.UsageError, match="answers, but not as the run's coordinator"):
+        with pytest.raises(cli.UsageError, match="answers, but not as the run's coordinator"):
             multihost.wait_for(address, 10)
     finally:
         server.shutdown()

@@ -18,12 +18,12 @@ import pytest
 
 import benchmark
 import evaluate
-import runs
 import sample
+import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PARSERS = {
-    "train.py": runs.train_parser,
+    "train.py": train.build_parser,
     "evaluate.py": evaluate.build_parser,
     "sample.py": sample.build_parser,
     "benchmark.py": benchmark.build_parser,
@@ -143,7 +143,7 @@ def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
     assert "'perplexty'" in check_command("evaluate.py perplexty RUN")
     assert "refuses" in check_command("train.py --preset huge")
     assert "refuses" in check_command("sample.py RUN --prompt x --prompt-doc 0")  # two of one group
-    assert "refuses" in check_command("benchmark.py --steps 0")
+    assert "refuses" in check_command("benchmark.py --timed-steps 0")
     assert "refuses" in check_command(
         "evaluate.py compare RUN_DIR --doc 1"
     )  # --memory-sizes and --csv are required

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+import corpora
 import data
 import runs
 from conftest import child_env
@@ -63,7 +64,7 @@ def test_an_output_never_replaces_a_runs_files_nor_a_file_in_a_corpus_or_a_cache
             ],
             "of the run in",
         ),
-        ("evaluate", ["explore", str(run), "--out", str(run / "config.json")], "of the run in"),
+        ("evaluate", ["explore", str(run), "--html", str(run / "config.json")], "of the run in"),
         ("evaluate", ["recall", str(run), "--json", str(run / "checkpoint.npz")], "of the run in"),
         ("benchmark", ["--memory-sizes", "0", "--json", str(run / "eval.json")], "of the run in"),
         (
@@ -242,9 +243,9 @@ def test_a_prompt_file_is_read_as_a_corpus_file_is(tmp_path, finished_run, capsy
         assert_refused(code, err, path)
         assert f"--prompt-file {path} {message}" in err
     (tmp_path / "big.txt").write_text("x" * 100)
-    with pytest.raises(data.DataError, match="has 100 bytes, more than the 99 this reads"):
-        data.read_text(str(tmp_path / "big.txt"), "--prompt-file", limit=99)
-    assert data.read_text(str(tmp_path / "big.txt"), "--prompt-file", limit=100) == "x" * 100
+    with pytest.raises(corpora.DataError, match="has 100 bytes, more than the 99 this reads"):
+        corpora.read_text(str(tmp_path / "big.txt"), "--prompt-file", limit=99)
+    assert corpora.read_text(str(tmp_path / "big.txt"), "--prompt-file", limit=100) == "x" * 100
 
 
 def test_sample_refuses_another_runs_tokenizer_as_evaluate_does(

@@ -4,14 +4,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import corpora
 import data
 import jax
 import memorizing_transformer as mt
+import presets
 import sample
 from test_cli import assert_refused, call
 
 # A toy model whose memory (M = 2T) fills and wraps many times over a prompt of 5T tokens.
-TOY = mt.Config(
+TOY = presets.RunConfig(
     vocab_size=64,
     d_model=32,
     num_layers=2,
@@ -99,7 +101,7 @@ def small_tokenizers(tmp_path_factory):
     import sentencepiece as spm
 
     ours = data.train_tokenizer(
-        [data.Document(str(i), TOKENIZER_TEXT) for i in range(20)],
+        [corpora.Document(str(i), TOKENIZER_TEXT) for i in range(20)],
         300,
         str(tmp_path_factory.mktemp("tok") / "small.model"),
     )

@@ -16,8 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cli
 import evaluate
+import evaluation
 import memorizing_transformer as mt
+import optimizer
+import presets
 import runs
 import train
 from conftest import child_env
@@ -125,7 +129,7 @@ def test_adafactor_on_the_models_rank_3_leaves_matches_its_definition():
         for s in (1.0, 0.01, 3.0)
     ]
     lr = lambda t: 0.1 / t
-    init, update = train.adafactor(lr)
+    init, update = optimizer.adafactor(lr)
     update = jax.jit(update)
     p = jax.tree.map(jnp.asarray, params)
     state = init(p)
@@ -150,7 +154,7 @@ def test_adafactor_matches_its_definition_computed_by_hand(beta1):
         for s in (1.0, 0.01, 3.0)
     ]  # 3.0 makes update clipping matter
     lr = lambda t: 0.1 / t
-    init, update = train.adafactor(lr, beta1=beta1)
+    init, update = optimizer.adafactor(lr, beta1=beta1)
     update = jax.jit(update)  # one program, as in a train step
     p, state = jax.tree.map(jnp.asarray, params), None
     state = init(p)
@@ -169,7 +173,7 @@ def test_adafactor_matches_its_definition_computed_by_hand(beta1):
 
 
 def test_the_previous_token_prior_sets_only_distance_1_in_half_the_first_layers_heads():
-    c = mt.PRESETS["synthetic"]
+    c = presets.PRESETS["synthetic"]
     params = mt.init_params(c, jax.random.PRNGKey(0))
     want = np.zeros((c.num_buckets, c.num_heads))
     want[1, : c.num_heads // 2] = c.init_prev_token_bias
@@ -181,7 +185,7 @@ def test_the_previous_token_prior_sets_only_distance_1_in_half_the_first_layers_
 
 
 def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
-    args = runs.train_parser().parse_args(
+    args = train.build_parser().parse_args(
         [
             "--preset",
             "tiny",
@@ -193,7 +197,7 @@ def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
             "-2",
         ]
     )
-    c = runs.config_from_args(args)
+    c = cli.config_from_args(args, presets.PRESETS["tiny"], "the tiny preset")
     params = mt.init_params(c, jax.random.PRNGKey(0))
     for i, layer in enumerate(params["layers"]):
         assert ("gate_bias" in layer) == (i in (1, 3))
@@ -203,20 +207,22 @@ def test_the_gate_bias_flag_sets_every_memory_layers_initial_gate():
             )
             assert layer["gate_bias"].dtype == np.float32
     assert (
-        mt.init_params(mt.PRESETS["tiny"], jax.random.PRNGKey(0))["layers"][1]["gate_bias"].tolist()
+        mt.init_params(presets.PRESETS["tiny"], jax.random.PRNGKey(0))["layers"][1][
+            "gate_bias"
+        ].tolist()
         == [0.0] * 4
     )
 
 
 def test_the_t5_bias_tables_take_the_plain_step():
     """A bias table starts at 0: it must move by lr_t a step, not by 1e-3 * lr_t (frozen)."""
-    c = mt.PRESETS["tiny"].replace(vocab_size=64, num_layers=2, memory_layers=(1,))
+    c = presets.PRESETS["tiny"].replace(vocab_size=64, num_layers=2, memory_layers=(1,))
     params = mt.init_params(c, jax.random.PRNGKey(0))
-    init, update = train.make_optimizer(c)
+    init, update = optimizer.make_optimizer(c)
     rng = np.random.default_rng(1)
     grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
     u, _ = jax.jit(update)(grads, init(params), params)  # one program, as in a train step
-    lr = lambda t: float(train.learning_rate(t, c.lr, c.warmup_steps))
+    lr = lambda t: float(optimizer.learning_rate(t, c.lr, c.warmup_steps))
     for i in range(c.num_layers):
         x, g = (
             np.asarray(params["layers"][i]["rel_bias"]),
@@ -230,7 +236,7 @@ def test_the_t5_bias_tables_take_the_plain_step():
 
 
 def test_adafactor_is_finite_for_parameters_whose_gradient_is_zero():
-    init, update = train.adafactor(0.1)
+    init, update = optimizer.adafactor(0.1)
     p = {"embed": jnp.ones((64, 48))}
     g = {"embed": jnp.zeros((64, 48)).at[0].set(1e-3)}  # most rows unused, as in an embedding
     u, _ = update(g, init(p), p)
@@ -244,14 +250,13 @@ def test_learning_rate_is_linear_warmup_then_square_root_decay():
         (1000, 1 / math.sqrt(1000)),
         (4000, 1 / math.sqrt(4000)),
     ]:
-        assert float(train.learning_rate(t, 1.0, 1000)) == pytest.approx(want, rel=1e-6)
+        assert float(optimizer.learning_rate(t, 1.0, 1000)) == pytest.approx(want, rel=1e-6)
 
 
 def test_evaluate_reports_reference_loss_by_distance_band():
     """The per-band losses of a batched evaluation equal those of each document alone."""
-    import evaluate  # its per_token_loss streams one document through batch 1
 
-    c = mt.PRESETS["tiny"].replace(
+    c = presets.PRESETS["tiny"].replace(
         vocab_size=64,
         segment_length=16,
         memory_size=32,
@@ -263,9 +268,9 @@ def test_evaluate_reports_reference_loss_by_distance_band():
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 64, n).astype(np.int32) for n in (50, 90, 33)]  # rows switch documents
     dists = [rng.choice([0, 0, -1, 5, 16, 17, 32, 33, 80], len(d)) for d in docs]
-    got = train.evaluate(params, c, docs, 2, distances=dists)
+    got = evaluation.evaluate(params, c, docs, 2, distances=dists)
     ce = np.concatenate(
-        [evaluate.per_token_loss(params, c, d)[0] for d in docs]
+        [evaluation.per_token_loss(params, c, d)[0] for d in docs]
     )  # ce[j] predicts token j + 1
     dist = np.concatenate([d[1:] for d in dists])
     assert got["loss"] == pytest.approx(ce.mean(), rel=1e-5)
@@ -420,7 +425,9 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
             logged = [r for r in map(json.loads, f) if "loss" in r]
         assert [r["step"] for r in logged] == [first, first + 1]
         lr = float(
-            train.learning_rate(first, mt.PRESETS["tiny"].lr, mt.PRESETS["tiny"].warmup_steps)
+            optimizer.learning_rate(
+                first, presets.PRESETS["tiny"].lr, presets.PRESETS["tiny"].warmup_steps
+            )
         )
         assert logged[0]["lr"] == pytest.approx(lr, rel=1e-6)
         _, after = runs.load_checkpoint(str(out / "checkpoint.npz"))
@@ -451,7 +458,7 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
         == 0
     )
     source, own = (runs.read_run_config(str(tmp_path / d)) for d in ("src", "own"))
-    assert source["config"].segment_length != mt.PRESETS["tiny"].segment_length
+    assert source["config"].segment_length != presets.PRESETS["tiny"].segment_length
     assert own["config"] == source["config"].replace(memory_size=128, num_neighbors=4, steps=4)
     assert {k: own["args"][k] for k in runs.RUN_DATA_ARGS} == {
         k: source["args"][k] for k in runs.RUN_DATA_ARGS
@@ -515,9 +522,9 @@ def test_init_from_fine_tunes_on_from_the_checkpoints_step_and_optimizer_unless_
 def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
     """A run without memory has no gate: adding one shifts every later parameter's place in
     Adafactor's lists, so the statistics must follow the names, not the places."""
-    c0, c1 = mt.PRESETS["tiny"].replace(memory_size=0), mt.PRESETS["tiny"]
+    c0, c1 = presets.PRESETS["tiny"].replace(memory_size=0), presets.PRESETS["tiny"]
     p0, p1 = mt.init_params(c0, jax.random.PRNGKey(0)), mt.init_params(c1, jax.random.PRNGKey(0))
-    init0, _ = train.make_optimizer(c0)
+    init0, _ = optimizer.make_optimizer(c0)
     s0 = init0(p0)
     names0 = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
     s0 = {
@@ -526,7 +533,7 @@ def test_fine_tuning_matches_adafactors_statistics_to_parameters_by_name():
         "v": [jax.tree.map(lambda x, i=i: x + i + 1, v) for i, v in enumerate(s0["v"])],
     }
     arrays = {f"opt{k}": v for k, v in runs._flat(s0).items()}
-    got = runs.restore_optimizer(train.make_optimizer(c1)[0](p1), p1, arrays, c0, "ckpt")
+    got = runs.restore_optimizer(optimizer.make_optimizer(c1)[0](p1), p1, arrays, c0, "ckpt")
     assert int(got["count"]) == 7
     for (path, _), v in zip(jax.tree_util.tree_flatten_with_path(p1)[0], got["v"]):
         name = jax.tree_util.keystr(path)
@@ -549,7 +556,7 @@ def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(
     monkeypatch.setattr(np, "savez", dies)
     with pytest.raises(KeyboardInterrupt):
         runs.save_checkpoint(
-            path, 3, {"a": np.zeros(2)}, {}, mt.init_state(mt.PRESETS["tiny"], 1), {}
+            path, 3, {"a": np.zeros(2)}, {}, mt.init_state(presets.PRESETS["tiny"], 1), {}
         )
     with open(path, "rb") as f:
         assert f.read() == good
@@ -597,7 +604,7 @@ def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(smoke_run):
     assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"]))
     assert "perplexity_memory_off" in ev
     with open(out / "config.json") as f:
-        assert json.load(f)["config"]["segment_length"] == mt.PRESETS["tiny"].segment_length
+        assert json.load(f)["config"]["segment_length"] == presets.PRESETS["tiny"].segment_length
     lines = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert [l["step"] for l in lines if "loss" in l] == [5, 10]
     assert [l for l in lines if "loss" in l][-1][
@@ -885,7 +892,7 @@ def test_resume_takes_the_runs_data_directory_however_it_is_spelled(tmp_path, mo
     (tmp_path / "corpus").mkdir()
     (tmp_path / "other").mkdir()
     os.symlink(tmp_path / "corpus", tmp_path / "link")
-    config = mt.PRESETS["tiny"]
+    config = presets.PRESETS["tiny"]
 
     def conflict(was, value):
         saved = {"config": config, "args": {"data": was}}
@@ -1038,7 +1045,7 @@ def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_do
     """Ethics section: clearing the memory at a document's end must clear it physically. Row 0
     reads a secret document of 3 segments, then starts another; every key and value vector
     the secret produced (any layer) is searched for in row 0 of every saved state array."""
-    cfg = mt.Config(
+    cfg = presets.RunConfig(
         vocab_size=64,
         d_model=32,
         num_layers=2,
@@ -1057,7 +1064,7 @@ def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_do
     state, secret = mt.init_state(cfg, 2), set()
     for n in range(3):
         _, state = fwd(params, state, rng.integers(0, 64, (2, 8)), jnp.full(2, n == 0), cfg)
-        for a in (state.cache_k, state.cache_v):  # every layer's keys and values of the segment
+        for a in (state.prev_k, state.prev_v):  # every layer's keys and values of the segment
             secret |= {v.tobytes() for v in np.asarray(a[0]).reshape(-1, cfg.head_dim)}
     _, state = fwd(params, state, rng.integers(0, 64, (2, 8)), jnp.array([True, False]), cfg)
     path = str(tmp_path / "checkpoint.npz")
@@ -1076,7 +1083,7 @@ def test_after_a_reset_no_array_of_the_row_in_a_checkpoint_holds_the_finished_do
 def test_gradient_accumulation_gives_the_same_step_as_one_big_batch(memory_size, xl_cache):
     """Also without a memory and an XL cache, whose state arrays then have a length of 0 (their
     micro-batches were once put back together with a reshape that divides by it)."""
-    cfg = mt.Config(
+    cfg = presets.RunConfig(
         vocab_size=64,
         d_model=32,
         num_layers=2,
@@ -1105,7 +1112,7 @@ def test_gradient_accumulation_gives_the_same_step_as_one_big_batch(memory_size,
         c = cfg.replace(grad_accum=accum)
         params = mt.init_params(c, jax.random.PRNGKey(0))
         out = train.make_train_step(c)(
-            params, train.make_optimizer(c)[0](params), mt.init_state(c, 4), batch
+            params, optimizer.make_optimizer(c)[0](params), mt.init_state(c, 4), batch
         )
         results.append(jax.device_get(out))
     (p1, _, s1, m1), (p2, _, s2, m2) = results
@@ -1123,7 +1130,7 @@ def test_a_run_compiles_its_train_step_once():
     """The step's outputs have the types of its inputs, so feeding them back never recompiles.
     (Parameters made with a Python float, e.g. jnp.full(shape, 5.66), are 'weakly typed' float32,
     a different input type from the step's float32 output: every run compiled its step twice.)"""
-    c = mt.Config(
+    c = presets.RunConfig(
         vocab_size=64,
         d_model=32,
         num_layers=2,
@@ -1146,7 +1153,7 @@ def test_a_run_compiles_its_train_step_once():
     }
     step = train.make_train_step.__wrapped__(c)  # a fresh jit, not the one other tests share
     params = mt.init_params(c, jax.random.PRNGKey(0))
-    carry = (params, train.make_optimizer(c)[0](params), mt.init_state(c, 4))
+    carry = (params, optimizer.make_optimizer(c)[0](params), mt.init_state(c, 4))
     for _ in range(3):
         carry = step(*carry, batch)[:3]
     assert step._cache_size() == 1
