@@ -1,13 +1,14 @@
-"""The command line of every script: one table of flags, the parsers built from it, usage errors
-(one sentence, exit code 2), interrupts (one line, exit code 130) and the exit.
+"""The command line of every script: one table of flags, the parsers built from it, usage
+errors (one sentence, exit code 2), interrupts (one line, exit code 130) and the exit.
 
   p = cli.parser(__doc__)
   cli.add(p, ["run_dir", "--memory-size", "--data"], unset="the run's")   # rows of FLAGS
   return cli.run_main(p, command, argv)
 
-A flag's name, type, default and help are written once, in FLAGS; a RunConfig field's flag takes
-its type from the field (CONFIG). A script picks its flags by name, and may give a flag another
-default (a script's own: finetune's --preset) or none (unset: the run's, the preset's).
+A flag's name, type, default and help are written once, in FLAGS; a RunConfig
+field's flag takes its type from the field (CONFIG). A script picks its flags by
+name, and may give a flag another default (a script's own: finetune's --preset) or
+none (unset: the run's, the preset's).
 """
 
 import argparse
@@ -96,8 +97,8 @@ def positive_seconds(text):
 
 
 def int_list(low, distinct=True):
-    """An argparse type: comma-separated integers of at least `low`, e.g. 512,2048; distinct:
-    none twice (each names a row of a result)."""
+    """An argparse type: comma-separated integers of at least `low`, e.g. 512,2048;
+    distinct: none twice (each names a row of a result)."""
 
     def parse(text):
         try:
@@ -128,8 +129,9 @@ def layer_list(text):
 
 # ----------------------------------------------------------------------------- the table
 class Flag(NamedTuple):
-    """A row of FLAGS. name: "--memory-size", "--init-from RUN_DIR" (its metavar) or a positional's
-    name; type: a parser of the text, a tuple of choices, SWITCH or CONFIG; default; help."""
+    """A row of FLAGS. name: "--memory-size", "--init-from RUN_DIR" (its metavar)
+    or a positional's name; type: a parser of the text, a tuple of choices,
+    SWITCH or CONFIG; default; help."""
 
     name: str
     type: object
@@ -152,22 +154,22 @@ FLAGS = [
         "--preset",
         tuple(sorted(presets.PRESETS)),
         "tiny",
-        """named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic (the
-        2-layer recipe that learns the synthetic task, README)""",
+        """named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic
+        (the 2-layer recipe that learns the synthetic task, README)""",
     ),
     Flag(
         "--data",
         path_arg,
         "stdlib",
-        """stdlib (the running Python's standard library), synthetic (4000 generated documents
-        with near and far references; synthetic:N for N), or a PATH""",
+        """stdlib (the running Python's standard library), synthetic (4000 generated
+        documents with near and far references; synthetic:N for N), or a PATH""",
     ),
     Flag(
         "--data-format",
         FORMATS,
         "auto",
-        """how to read PATH: repo = a directory per document, repo-deps = same in import order,
-        text = one .txt file per document, jsonl = one {'text': ...} per line""",
+        """how to read PATH: repo = a directory per document, repo-deps = same in import
+        order, text = one .txt file per document, jsonl = one {'text': ...} per line""",
     ),
     Flag(
         "--suffixes",
@@ -193,8 +195,8 @@ FLAGS = [
         "--steps",
         CONFIG,
         None,
-        """training steps; with --resume, the step to train to; with --init-from, the steps to
-        add (unset: the run's config's count)""",
+        """training steps; with --resume, the step to train to; with --init-from, the
+        steps to add (unset: the run's config's count)""",
     ),
     Flag("--batch-size", CONFIG, None, "batch rows; each row streams documents in order"),
     Flag("--grad-accum", CONFIG, None, "micro-batches per step (rows are split between them)"),
@@ -206,15 +208,15 @@ FLAGS = [
         "--init-prev-token-bias",
         CONFIG,
         None,
-        """initial T5 bias at distance 1 in half of the first layer's heads (0 = none, as in
-        the paper; the synthetic preset uses 6)""",
+        """initial T5 bias at distance 1 in half of the first layer's heads (0 = none, as
+        in the paper; the synthetic preset uses 6)""",
     ),
     Flag(
         "--init-gate-bias",
         CONFIG,
         None,
-        """initial bias of every memory layer's gate: g = sigmoid(bias) mixes memory and local
-        attention (0 = g 0.5, as in the paper; -2 = g 0.12)""",
+        """initial bias of every memory layer's gate: g = sigmoid(bias) mixes memory and
+        local attention (0 = g 0.5, as in the paper; -2 = g 0.12)""",
     ),
     Flag("--warmup-steps", CONFIG, None, "linear warmup steps before square-root decay"),
     Flag("--memory-layers", CONFIG, None, "comma-separated 0-based kNN layer indices, e.g. 8"),
@@ -245,17 +247,18 @@ FLAGS = [
         "--memory-combine",
         CONFIG,
         None,
-        """how the kNN and the local results mix: gate (Eqs. 1-2, the paper's), add (their sum,
-        the gateless form of Sec. 4.6's study), joint (one softmax over the retrieved and the
-        local pairs)""",
+        """how the kNN and the local results mix: gate (Eqs. 1-2, the paper's), add
+        (their sum, the gateless form of Sec. 4.6's study), joint (one softmax over the
+        retrieved and the local pairs)""",
     ),
     Flag(
         "--seed",
         CONFIG,
         None,
-        """seed for the initialization and the order in which batch rows take training
-        documents; the train/validation split and the traversal of repositories are fixed (seed
-        0), so runs with different seeds are scored on the same validation documents""",
+        """seed for the initialization and the order in which batch rows take
+        training documents; the train/validation split and the traversal of
+        repositories are fixed (seed 0), so runs with different seeds are scored on
+        the same validation documents""",
     ),
     Flag(
         "--memory-chunk",
@@ -267,37 +270,37 @@ FLAGS = [
         "--attention",
         CONFIG,
         None,
-        """local attention: explicit einsums and softmax, or fused (jax.nn.dot_product_attention:
-        cuDNN's flash attention on a GPU with --dtype bfloat16, JAX's own version of it
-        elsewhere); the same math for the valid tokens (fused takes padding only at a segment's
-        end, which is all data.py makes)""",
+        """local attention: explicit einsums and softmax, or fused
+        (jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with --dtype
+        bfloat16, JAX's own version of it elsewhere); the same math for the valid tokens
+        (fused takes padding only at a segment's end, which is all data.py makes)""",
     ),
     # ------------------------------------------------------------------------- a run's files
     Flag(
         "--out",
         path_arg,
         None,
-        """output directory (default runs/<timestamp>); train.py refuses one that already holds
-        a run unless --resume is given""",
+        """output directory (default runs/<timestamp>); train.py refuses one that already
+        holds a run unless --resume is given""",
     ),
     Flag(
         "--resume",
         SWITCH,
         False,
-        """continue the run in --out from its checkpoint, with its config, data and intervals
-        (--log-every, --eval-every and --save-every may be given anew); a finished run with its
-        eval.json: nothing to do, unless --steps goes further""",
+        """continue the run in --out from its checkpoint, with its config, data and
+        intervals (--log-every, --eval-every and --save-every may be given anew); a
+        finished run with its eval.json: nothing to do, unless --steps goes further""",
     ),
     Flag(
         "--init-from RUN_DIR",
         path_arg,
         None,
-        """fine-tune another run (Sec. 4.4): its weights, and its step count, learning-rate
-        schedule and Adafactor statistics continue, for --steps more steps (a different memory
-        size, or a run without memory: new parameters start fresh; the model's layers and widths
-        must stay the run's); the data stream starts anew. Its config and data flags are the new
-        run's, changed by each flag given (with --preset: that preset's config, as without
-        --init-from)""",
+        """fine-tune another run (Sec. 4.4): its weights, and its step count,
+        learning-rate schedule and Adafactor statistics continue, for --steps more steps
+        (a different memory size, or a run without memory: new parameters start fresh; the
+        model's layers and widths must stay the run's); the data stream starts anew. Its
+        config and data flags are the new run's, changed by each flag given (with
+        --preset: that preset's config, as without --init-from)""",
     ),
     Flag(
         "--fresh-start",
@@ -321,8 +324,8 @@ FLAGS = [
         "--curve-tokens",
         count,
         4096,
-        """the same for the evaluations every --eval-every steps, at most --eval-tokens (0 = as
-        many)""",
+        """the same for the evaluations every --eval-every steps, at most
+        --eval-tokens (0 = as many)""",
     ),
     Flag("--valid-fraction", fraction, 0.05, "share of documents held out"),
     Flag(
@@ -335,9 +338,10 @@ FLAGS = [
         "--cache-dir",
         path_arg,
         None,  # cache_dir(): $MT_CACHE or .cache, read when a parser is built
-        """tokenizer and token cache (keyed on the corpus, the vocabulary size and the validation
-        split), and in its jax/ folder the compiled programs, which a later run with the same
-        config loads instead of compiling (--resume: the run's, if it still exists)""",
+        """tokenizer and token cache (keyed on the corpus, the vocabulary size and
+        the validation split), and in its jax/ folder the compiled programs, which a
+        later run with the same config loads instead of compiling (--resume: the
+        run's, if it still exists)""",
     ),
     # ------------------------------------------------------------------------- several processes
     Flag(
@@ -351,15 +355,15 @@ FLAGS = [
         "--process-id",
         count,
         None,
-        """this process's id, 0 to --num-processes - 1; process 0 serves the coordinator and
-        writes the run's files""",
+        """this process's id, 0 to --num-processes - 1; process 0 serves the coordinator
+        and writes the run's files""",
     ),
     Flag(
         "--coordinator-timeout",
         positive_seconds,
         60.0,
-        """seconds to wait for the coordinator and the other processes; a process that stops
-        answering ends the others after as long""",
+        """seconds to wait for the coordinator and the other processes; a process that
+        stops answering ends the others after as long""",
     ),
     # ------------------------------------------------------------------------- a trained run
     Flag("run_dir", path_arg, None, "a train.py output directory"),
@@ -381,8 +385,9 @@ FLAGS = [
         "--band-memory",
         count,
         None,
-        """the repeat bands by the reach of a memory of this many slots (default: the evaluated
-        memory's), so that an XL-only run is scored on a memory run's far-repeat tokens""",
+        """the repeat bands by the reach of a memory of this many slots
+        (default: the evaluated memory's), so that an XL-only run is scored on a
+        memory run's far-repeat tokens""",
     ),
     Flag("--csv", path_arg, None, "per-token output" + REPLACED),
     Flag("--plot", path_arg, None, "a PNG of delta per token (needs matplotlib)" + REPLACED),
@@ -415,8 +420,8 @@ FLAGS = [
         "--rows",
         str,
         None,
-        """comma-separated subset of the rows (default: all): no memory, XL cache, memory 4T,
-        memory 4T + XL, memory 16T + XL""",
+        """comma-separated subset of the rows (default: all): no memory, XL cache, memory
+        4T, memory 4T + XL, memory 16T + XL""",
     ),
     Flag(
         "--seeds",
@@ -439,8 +444,8 @@ FLAGS = [
         "--prompt-tokens",
         positive_int,
         None,
-        """with --prompt-doc: the first this many tokens are the prompt (default: the whole
-        document)""",
+        """with --prompt-doc: the first this many tokens are the prompt
+        (default: the whole document)""",
     ),
     Flag("--tokens", positive_int, 100, "tokens to generate"),
     Flag("--temperature", finite_float, 1.0, "0 = greedy (argmax)"),
@@ -469,47 +474,47 @@ FLAGS = [
         "--ops",
         ("fast", "plain"),
         "fast",
-        """the model's pieces: kernels.FAST, or the plain ones of memorizing_transformer.py (what
-        the kernels buy)""",
+        """the model's pieces: kernels.FAST, or the plain ones of
+        memorizing_transformer.py (what the kernels buy)""",
     ),
     Flag(
         "--profile DIR",
         path_arg,
         None,
-        """also trace --timed-steps steps of each row; print the XLA operations that took the
-        most time and the largest arrays the step's operations write, and keep the trace, the HLO
-        and the tables in DIR""",
+        """also trace --timed-steps steps of each row; print the XLA operations that took
+        the most time and the largest arrays the step's operations write, and keep the
+        trace, the HLO and the tables in DIR""",
     ),
     Flag(
         "--train-only",
         SWITCH,
         False,
-        """time the train step only: no forward-pass or gradient table (three programs fewer to
-        compile per row)""",
+        """time the train step only: no forward-pass or gradient table (three
+        programs fewer to compile per row)""",
     ),
     Flag(
         "--search",
         SWITCH,
         False,
-        """time the memory search alone, in its forms (the kernel's and the plain binned search,
-        and the exact one), with the binned answer's recall, and its final top-k alone, by
-        lax.top_k and in passes; memory size 0 is skipped""",
+        """time the memory search alone, in its forms (the kernel's and the plain binned
+        search, and the exact one), with the binned answer's recall, and its final top-k
+        alone, by lax.top_k and in passes; memory size 0 is skipped""",
     ),
     Flag(
         "--rounds",
         count,
         0,
-        """also call every row's train step in turn in one process for this many rounds, and
-        give each row's median ratio to the no-memory step of the same round (`paired`; steadier
-        on a shared machine than `ratio`); 0: not done""",
+        """also call every row's train step in turn in one process for this many rounds,
+        and give each row's median ratio to the no-memory step of the same round
+        (`paired`; steadier on a shared machine than `ratio`); 0: not done""",
     ),
     Flag(
         "--compile-jobs",
         positive_int,
         1,
-        """first compile every row's train step, this many rows at a time in parallel processes,
-        into a JAX compilation cache that the timed rows then load from (for a GPU, where a paper
-        row compiles for minutes)""",
+        """first compile every row's train step, this many rows at a time in parallel
+        processes, into a JAX compilation cache that the timed rows then load from (for a
+        GPU, where a paper row compiles for minutes)""",
     ),
     Flag(
         "--peer PYTHON",
@@ -522,8 +527,8 @@ FLAGS = [
         "--repeats",
         positive_int,
         1,
-        """with --peer: both sides this many times in turn, each ratio taken within a repeat, the
-        medians reported""",
+        """with --peer: both sides this many times in turn, each ratio taken within a
+        repeat, the medians reported""",
     ),
     Flag("--row", int, None, "internal: measure one row in this process"),
     Flag("--compile-only", SWITCH, False, "internal: compile --row's step"),
@@ -569,8 +574,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag in one line on stderr, and `-1e3` read as a number, not a flag
-    (Python 3.11's argparse knows only -3 and -.5; no flag of ours starts with "-" and a digit)."""
+    """argparse, with a bad flag in one line on stderr, and `-1e3` read as a
+    number, not a flag (Python 3.11's argparse knows only -3 and -.5; no flag of
+    ours starts with "-" and a digit)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
@@ -586,9 +592,10 @@ def parser(description, **kwargs):
 
 
 def add(target, names, defaults=None, unset=None, required=False):
-    """Add the FLAGS rows `names` to a parser (or group, or subparser). defaults: {name: value}, a
-    script's own default of a flag; unset: each of these flags defaults to None, which means
-    `unset` ("the run's": the run's value), said in its help; required: each must be given."""
+    """Add the FLAGS rows `names` to a parser (or group, or subparser). defaults: {name:
+    value}, a script's own default of a flag; unset: each of these flags defaults to
+    None, which means `unset` ("the run's": the run's value), said in its help;
+    required: each must be given."""
     for name in names:
         row = BY_NAME[name]
         flag, *metavar = row.name.split()
@@ -634,8 +641,8 @@ def config_from_args(args, base, base_name):
 
 
 def given_flags(build, argv):
-    """The flags that argv gives to the parser build() makes, by their names in args: parsed, a
-    flag left out and one given at its default value look alike."""
+    """The flags that argv gives to the parser build() makes, by their names in args:
+    parsed, a flag left out and one given at its default value look alike."""
     blank = build()
     blank.set_defaults(**dict.fromkeys(vars(blank.parse_args([])), None))
     return {name for name, value in vars(blank.parse_args(argv)).items() if value is not None}
@@ -644,8 +651,8 @@ def given_flags(build, argv):
 # ----------------------------------------------------------------------------- signals
 @contextlib.contextmanager
 def interrupt_flag():
-    """Ctrl-C and SIGTERM set flag["signal"] instead of stopping: the training loop saves and
-    exits."""
+    """Ctrl-C and SIGTERM set flag["signal"] instead of stopping: the
+    training loop saves and exits."""
     flag = {"signal": None}
     old = {
         s: signal.signal(s, lambda signum, _: flag.update(signal=signum))
@@ -660,11 +667,12 @@ def interrupt_flag():
 
 @contextlib.contextmanager
 def dropped_interrupts_raised_again(delay=0.01):
-    """Deliver again the Ctrl-Cs that Python and JAX drop. A KeyboardInterrupt raised in a garbage
-    collection callback or a __del__ (JAX runs one at every collection) is printed and dropped by
-    Python: here SIGALRM delivers it again `delay` seconds later, to what SIGINT does then. JAX
-    starts its plugins under a bare `except:` and logs what they raise: such a record is raised
-    again from the logging call (_raise_logged_interrupt). Without setitimer (Windows): neither."""
+    """Deliver again the Ctrl-Cs that Python and JAX drop. A KeyboardInterrupt raised in a
+    garbage collection callback or a __del__ (JAX runs one at every collection) is printed
+    and dropped by Python: here SIGALRM delivers it again `delay` seconds later, to what
+    SIGINT does then. JAX starts its plugins under a bare `except:` and logs what they
+    raise: such a record is raised again from the logging call (_raise_logged_interrupt).
+    Without setitimer (Windows): neither."""
 
     def hook(unraisable):
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
@@ -716,8 +724,9 @@ def _out_of_memory(e):
 
 
 def run_command(command, args):
-    """Run a command the way every script here does: bad input (flags, files, data) is one sentence
-    on stderr and exit code 2; Ctrl-C or SIGTERM is one line and exit code 130."""
+    """Run a command the way every script here does: bad input (flags,
+    files, data) is one sentence on stderr and exit code 2; Ctrl-C or
+    SIGTERM is one line and exit code 130."""
     old = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with dropped_interrupts_raised_again():
@@ -762,8 +771,8 @@ def say(line):
 
 
 def run_main(parser, command, argv):
-    """A script's main(): parse argv (--help, or a bad flag in one line, end here with 0 or 2), then
-    run_command."""
+    """A script's main(): parse argv (--help, or a bad flag in one line, end here
+    with 0 or 2), then run_command."""
     for name in ("stdout", "stderr"):  # started with a stream closed (`>&-`): Python has None there
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))
@@ -794,9 +803,9 @@ def _stdout_gone():
 
 
 def exit_with(code):
-    """Leave with `code` at once, once stdout and stderr are flushed: without the interpreter's
-    teardown, which can crash while JAX's threads still run (after an interrupt), and during which
-    a signal would kill the process without a word."""
+    """Leave with `code` at once, once stdout and stderr are flushed: without the
+    interpreter's teardown, which can crash while JAX's threads still run (after an
+    interrupt), and during which a signal would kill the process without a word."""
 
     def interrupted(*_):
         os.write(2, b"interrupted; no file was left half-written.\n")

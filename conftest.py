@@ -7,8 +7,7 @@ train.py and benchmark.py processes the tests start get them too.
 3. One compilation cache for each process of the session (pytest-xdist runs two), shared with the
    processes its tests start that run to their end, so that each program compiles once.
 4. On a CPU, LLVM's lowest optimization level and XLA's older kernel emitters: the suite is mostly
-   compiling, and these halve that; the math is the same, its float32 rounding may differ in the
-   last bits.
+   compiling, and these halve that; the math is the same, its float32 rounding may differ a bit.
 """
 
 import contextlib
@@ -36,31 +35,20 @@ import jax  # noqa: E402  (after the environment above)
 
 jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin imported JAX first
 
+
 # pytest.ini runs the suite in two processes (pytest-xdist, --dist loadgroup): one takes the tests
-# whose work is a whole command in a process of its own (these fixtures, or the mark "commands":
-# a long test that shares no program), the other every other test, so that each program the
-# in-process tests share is compiled once.
-COMMAND_FIXTURES = {
-    "smoke_run",
-    "three_runs_with_a_cache_dir",
-    "runs_on_cpu_devices",
-    "run_stopped_by_ctrl_c",
-    "run_killed_at_random_points",
-    "toy_benchmark",
-    "train_only_benchmark",
-    "table_of_two_seeds",
-    "finetune_runs",
-    "interrupted_train_runs",
-    "multihost_runs",
-    "interrupted_while_jax_starts_a_plugin",
-    "peer_benchmark_stopped",
-}
+# whose work is a whole command in a process of its own (a fixture that requests runs_commands, or
+# the mark "commands": a long test that shares no program), the other every other test, so that
+# each program the in-process tests share is compiled once.
+@pytest.fixture(scope="session")
+def runs_commands():
+    """Requested by a fixture whose work is whole commands: its tests go to the commands worker."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
-        commands = COMMAND_FIXTURES & set(item.fixturenames) or item.get_closest_marker("commands")
+        commands = "runs_commands" in item.fixturenames or item.get_closest_marker("commands")
         item.add_marker(pytest.mark.xdist_group("commands" if commands else "in-process"))
 
 
@@ -69,9 +57,8 @@ def pytest_sessionfinish():
 
 
 def child_env(**extra):
-    """The session's environment for a process that a test starts and may stop at any point, without
-    the session's compilation cache: a process killed while writing an entry would leave it
-    half-written."""
+    """The session's environment for a process that a test may stop at any point, less the
+    compilation cache: a process killed while it writes an entry would leave it half-written."""
     return dict({k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, **extra)
 
 

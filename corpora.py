@@ -3,8 +3,9 @@
   docs = load_documents("stdlib")                       # [Document(id, text, parts)]
   docs = load_documents(PATH, "repo", suffixes=(".py",))  # a document per top-level directory
 
-Every reader skips what no corpus holds (hidden files, __pycache__) and counts what it cannot
-read (binary, not UTF-8, empty, unreadable) instead of failing; data.py takes the documents on.
+Every reader skips what no corpus holds (hidden files, __pycache__) and counts
+what it cannot read (binary, not UTF-8, empty, unreadable) instead of failing;
+data.py takes the documents on.
 """
 
 import io
@@ -37,10 +38,11 @@ CORPUS_FILE_LIMIT = 2**31  # bytes read of one corpus file: a file that grows wi
 
 
 def _read_bytes(path, stats, limit=CORPUS_FILE_LIMIT):
-    """A regular file's bytes, or None (counted in stats as unreadable) if it cannot be read (no
-    permission, a symlink loop) or is not a regular file: a named pipe would block the read
-    until something wrote to it, and a device need not end. A file of more than `limit` bytes
-    (one still being written, say) is skipped and counted as too large."""
+    """A regular file's bytes, or None (counted in stats as unreadable) if it
+    cannot be read (no permission, a symlink loop) or is not a regular file: a
+    named pipe would block the read until something wrote to it, and a device need
+    not end. A file of more than `limit` bytes (one still being written, say) is
+    skipped and counted as too large."""
     try:
         with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
             if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -56,8 +58,8 @@ def _read_bytes(path, stats, limit=CORPUS_FILE_LIMIT):
 
 
 def read_text(path, what, limit=2**26):
-    """The text of a file a user names (a prompt), read as a corpus file is: a regular file only, of
-    at most `limit` bytes, UTF-8. DataError (one sentence) otherwise."""
+    """The text of a file a user names (a prompt), read as a corpus file is: a regular
+    file only, of at most `limit` bytes, UTF-8. DataError (one sentence) otherwise."""
     try:
         with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
             info = os.fstat(f.fileno())
@@ -85,8 +87,8 @@ def read_text(path, what, limit=2**26):
 
 
 def _read_text_file(path, stats):
-    """The file's text, or None (counted in stats) if it is binary, not UTF-8, unreadable or
-    not a regular file (_read_bytes)."""
+    """The file's text, or None (counted in stats) if it is binary, not UTF-8, unreadable
+    or not a regular file (_read_bytes)."""
     raw = _read_bytes(path, stats)
     if raw is None:
         return None
@@ -101,8 +103,9 @@ def _read_text_file(path, stats):
 
 
 def _python_imports(text):
-    """Module names a Python file imports (`import a.b`, `from .a import b`): each by its last
-    part and by its first (a and b for `import a.b`), as a file is named by its stem."""
+    """Module names a Python file imports (`import a.b`, `from .a import
+    b`): each by its last part and by its first (a and b for `import a.b`),
+    as a file is named by its stem."""
     found = re.findall(r"^\s*(?:from\s+\.*([\w.]+)\s+import|import\s+([\w.]+))", text, re.M)
     return {(a or b).split(".")[-1] for a, b in found} | {(a or b).split(".")[0] for a, b in found}
 
@@ -119,9 +122,9 @@ def _isabelle_imports(text):
 
 def _dependency_order(files):
     """Order (name, text) pairs so that a file comes after the files it imports (Python
-    modules, Isabelle theories), wherever they sit in the document; otherwise keep the order
-    given. An import names a file by its stem; of several, the one in the importer's own
-    directory wins, then the first."""
+    modules, Isabelle theories), wherever they sit in the document; otherwise keep the
+    order given. An import names a file by its stem; of several, the one in the importer's
+    own directory wins, then the first."""
     stems = {}
     for n, _ in files:
         stems.setdefault(os.path.splitext(os.path.basename(n))[0], []).append(n)
@@ -140,8 +143,9 @@ def _dependency_order(files):
             if dep and dep != name:
                 yield dep
 
-    # Depth first, a file after its dependencies; an import cycle is cut where it closes. With
-    # a stack of our own, not Python's: an import chain may be thousands of files long.
+    # Depth first, a file after its dependencies; an import cycle is cut
+    # where it closes. With a stack of our own, not Python's: an import chain
+    # may be thousands of files long.
     done, order = set(), []
     for first, _ in files:
         if first in done:
@@ -161,9 +165,9 @@ def _dependency_order(files):
 
 
 def _is_a_file(path):
-    """An entry to read as a file: anything but a directory or a link to one. A link that leads
-    nowhere (dangling, or a loop), a named pipe or a device is then counted as unreadable
-    (_read_bytes)."""
+    """An entry to read as a file: anything but a directory or a link to one. A link
+    that leads nowhere (dangling, or a loop), a named pipe or a device is then counted
+    as unreadable (_read_bytes)."""
     return not os.path.isdir(path)
 
 
@@ -177,8 +181,8 @@ def _listdir(path, stats):
 
 
 def _walk_unit(root, rel, rng, stats, suffixes):
-    """One directory as a unit (Sec. 4.1): its files and subdirectories in random order, each
-    subdirectory's files contiguous. Returns [(relative name, text)].
+    """One directory as a unit (Sec. 4.1): its files and subdirectories in random order,
+    each subdirectory's files contiguous. Returns [(relative name, text)].
 
     Depth first, with a stack of our own rather than Python's (a tree may be nested a few
     thousand directories deep): each directory on it is (its name, its entries still to
@@ -226,12 +230,12 @@ def _join_files(files):
 
 def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, prefix=None):
     """The GitHub layout: each top-level directory is one document; loose top-level files
-    form one more. Where there are others, a directory that holds more than half of the text is
-    read the same way one level further down, its subdirectories documents of their own (one
-    package of a library is most of it); prefix: the names' prefix of such a level.
-    dependency_order puts every file of a document after the files it imports (Sec. 4.1's
-    Isabelle ordering; Python imports too). suffixes: a tuple of file name endings to read
-    (Sec. 4.1's language filter), or None for all."""
+    form one more. Where there are others, a directory that holds more than half of the
+    text is read the same way one level further down, its subdirectories documents of
+    their own (one package of a library is most of it); prefix: the names' prefix of such
+    a level. dependency_order puts every file of a document after the files it imports
+    (Sec. 4.1's Isabelle ordering; Python imports too). suffixes: a tuple of file name
+    endings to read (Sec. 4.1's language filter), or None for all."""
     stats = stats if stats is not None else _new_stats()
     rng = random.Random(seed)
     docs, loose, dirs, top = [], [], {}, prefix is None
@@ -267,10 +271,11 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, p
 
 
 def _walk(top, onerror=None):
-    """os.walk(top, onerror=onerror), top-down, with a stack of our own: Python 3.11's os.walk
-    recurses once per directory level, so a tree a few thousand levels deep would end in a
-    RecursionError. Yields (dirpath, dirnames, filenames); dirnames may be edited in place
-    (sorted, pruned) to steer the walk, and links to directories are listed, not entered."""
+    """os.walk(top, onerror=onerror), top-down, with a stack of our own: Python
+    3.11's os.walk recurses once per directory level, so a tree a few thousand levels
+    deep would end in a RecursionError. Yields (dirpath, dirnames, filenames);
+    dirnames may be edited in place (sorted, pruned) to steer the walk, and links to
+    directories are listed, not entered."""
     stack = [top]
     while stack:
         root = stack.pop()
@@ -295,14 +300,14 @@ def _walk(top, onerror=None):
 
 
 def _skipped(name):
-    """A file or directory that no corpus reads: hidden (.git, .venv, a .cache of ours inside
-    the corpus) or __pycache__."""
+    """A file or directory that no corpus reads: hidden (.git, .venv, a .cache of ours
+    inside the corpus) or __pycache__."""
     return name.startswith(".") or name == "__pycache__"
 
 
 def _corpus_walk(top, onerror=None):
-    """_walk below a corpus directory, without what _skipped names: what every reader and the
-    format's detection see."""
+    """_walk below a corpus directory, without what _skipped names: what every reader and
+    the format's detection see."""
     for root, dirs, files in _walk(top, onerror):
         dirs[:] = [d for d in dirs if not _skipped(d)]  # (the same list _walk goes on with)
         yield root, dirs, [f for f in files if not _skipped(f)]
@@ -368,8 +373,9 @@ def stdlib_path():
 
 
 def read_stdlib(seed=0, stats=None, group=25):
-    """The embedded default corpus: the running Python's standard library (.py files) read as a
-    repo. Each top-level package is one document; loose modules go in documents of `group`."""
+    """The embedded default corpus: the running Python's standard library (.py
+    files) read as a repo. Each top-level package is one document; loose modules
+    go in documents of `group`."""
     stats = stats if stats is not None else _new_stats()
     root = stdlib_path()
     docs, loose = [], []
@@ -409,15 +415,16 @@ _FILLER = ["-", "+", "*", "~"]
 def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segment_length=128):
     """Documents that only long-range memory predicts well (Sec. 4.5's premise, in miniature).
 
-    Each document binds `num_names` names to values, both drawn per document from fixed pools
-    of 200 pseudo-words, and writes a binding as the line `NAME VALUE`. A name's first line
-    defines it; every later line with the same name repeats the value, and that VALUE is a
-    reference: marked in `parts`, so its loss can be reported on its own, and predictable
-    only by recalling an earlier line of the same document. Half of the names are referenced
-    densely (mostly within a segment: these teach a local copy circuit); the other half only
-    once their last line is more than 2 segments back (these need the memory). Short filler
-    lines (`- +`) sit in between. `length` is the approximate length in tokens, counting each
-    word, symbol and newline as one token (the tokenizer learns the words whole).
+    Each document binds `num_names` names to values, both drawn per document from fixed
+    pools of 200 pseudo-words, and writes a binding as the line `NAME VALUE`. A name's
+    first line defines it; every later line with the same name repeats the value, and
+    that VALUE is a reference: marked in `parts`, so its loss can be reported on its own,
+    and predictable only by recalling an earlier line of the same document. Half of the
+    names are referenced densely (mostly within a segment: these teach a local copy
+    circuit); the other half only once their last line is more than 2 segments back
+    (these need the memory). Short filler lines (`- +`) sit in between. `length` is the
+    approximate length in tokens, counting each word, symbol and newline as one token
+    (the tokenizer learns the words whole).
     """
     rng = random.Random(seed)
     docs = []
@@ -458,13 +465,14 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
 def synthetic_long_documents(num_docs, distance, seed=0, num_names=16):
     """Documents of the synthetic task whose far references sit `distance` tokens back (Sec. 4.4).
 
-    The same lines as synthetic_documents (`NAME VALUE`, filler), arranged as a probe: the
-    document first defines its `num_names` names (with filler and near references between the
-    definitions, as in training); then only the even-numbered names are referenced, densely, for
-    `distance` tokens; then each odd-numbered name is referenced once, as soon as its definition
-    lies `distance` tokens back, and the document ends. Those references, the probes, are the
-    only parts marked as references: their value was seen once, about `distance` tokens earlier
-    (a line or two more, where two probes fall due together), and never since.
+    The same lines as synthetic_documents (`NAME VALUE`, filler), arranged as a probe:
+    the document first defines its `num_names` names (with filler and near references
+    between the definitions, as in training); then only the even-numbered names are
+    referenced, densely, for `distance` tokens; then each odd-numbered name is referenced
+    once, as soon as its definition lies `distance` tokens back, and the document ends.
+    Those references, the probes, are the only parts marked as references: their value
+    was seen once, about `distance` tokens earlier (a line or two more, where two probes
+    fall due together), and never since.
     """
     rng = random.Random(f"synthetic-long {seed} {distance}")
     docs = []
@@ -507,8 +515,9 @@ def synthetic_long_documents(num_docs, distance, seed=0, num_names=16):
 
 
 def inside_corpus(path, source):
-    """Whether path (a file or directory, existing or not) lies in the corpus directory `source`
-    where a reader would see it: below it, and not under a name _skipped hides."""
+    """Whether path (a file or directory, existing or not) lies in the
+    corpus directory `source` where a reader would see it: below it, and not
+    under a name _skipped hides."""
     root = stdlib_path() if source == "stdlib" else source
     if is_synthetic(source) or not os.path.isdir(root):
         return False
@@ -526,8 +535,9 @@ def is_synthetic(source):
 
 
 def same_source(a, b):
-    """Whether two --data values name the same corpus: the same name for the embedded and the
-    generated ones; the same file or directory for paths (./corpus/, corpus and a link to it)."""
+    """Whether two --data values name the same corpus: the same name for the
+    embedded and the generated ones; the same file or directory for paths
+    (./corpus/, corpus and a link to it)."""
     if "stdlib" in (a, b) or is_synthetic(a) or is_synthetic(b):
         return a == b
     return os.path.realpath(a) == os.path.realpath(b)
@@ -549,9 +559,10 @@ def detect_format(path):
 
 
 def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
-    """`source` is "stdlib", "synthetic" or a path. Returns [Document]; prints a one-line summary
-    of what was skipped. Raises DataError (one sentence) on a missing path or an empty corpus.
-    suffixes (repositories only): the file name endings to read, e.g. (".py", ".c", ".h")."""
+    """`source` is "stdlib", "synthetic" or a path. Returns [Document]; prints a
+    one-line summary of what was skipped. Raises DataError (one sentence) on a missing
+    path or an empty corpus. suffixes (repositories only): the file name endings to
+    read, e.g. (".py", ".c", ".h")."""
     stats = _new_stats()
     if suffixes and (
         source == "stdlib"

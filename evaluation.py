@@ -1,5 +1,6 @@
-"""Scoring a model on documents, for train.py's evaluations and evaluate.py: the forward step,
-the loss over whole documents from a fresh memory, the repeat bands, the memory-off ablation.
+"""Scoring a model on documents, for train.py's evaluations and evaluate.py: the
+forward step, the loss over whole documents from a fresh memory, the repeat
+bands, the memory-off ablation.
 
   step = make_forward_step(step_config(config))
   result = full_evaluation(params, config, docs, distances, step)   # eval.json's fields
@@ -33,8 +34,8 @@ def model_inputs(batch):
 
 
 class Scored(NamedTuple):
-    """What a forward step gives: the new state; the cross-entropy [B, T] (0 on padding); the
-    logits [B, T, V] and the retrievals (mt.forward's), where asked for, else None."""
+    """What a forward step gives: the new state; the cross-entropy [B, T] (0 on padding);
+    the logits [B, T, V] and the retrievals (mt.forward's), where asked for, else None."""
 
     state: mt.State
     loss: jax.Array
@@ -44,9 +45,10 @@ class Scored(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=None):
-    """forward over a segment of every row, jitted once per config, for training's evaluation,
-    evaluate.py, sample.py and memorize.py: (params, state, batch) -> Scored. donate=False keeps
-    the state given. ops: kernels.fast with the config's knobs, unless given."""
+    """forward over a segment of every row, jitted once per config, for training's
+    evaluation, evaluate.py, sample.py and memorize.py: (params, state, batch) ->
+    Scored. donate=False keeps the state given. ops: kernels.fast with the
+    config's knobs, unless given."""
     ops = ops or kernels.fast(config.memory_chunk, config.attention)
 
     def step(params, state, batch):
@@ -61,17 +63,18 @@ def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=N
 
 
 # ----------------------------------------------------------------------------- evaluation
-# How far back a reference's value last appeared, in segments: within the local window, beyond it
-# but within 2 segments, or more than 2 back (only the memory reaches it).
+# How far back a reference's value last appeared, in segments: within the local window,
+# beyond it but within 2 segments, or more than 2 back (only the memory reaches it).
 DISTANCE_BANDS = {"near": (0, 1), "mid": (1, 2), "far": (2, float("inf"))}  # (lo, hi]
 
 
 def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, band_memory=None):
-    """Token-level validation loss, each document from its start with a fresh memory, and the
-    loss in each of data.REPEAT_BANDS (far_repeat_loss, far_repeat_tokens, ...), by the reach of
-    a memory of band_memory slots (default: the config's). distances (synthetic data, per
-    document): how far back each reference token's value last appeared; the result then also
-    has the loss on the references in each band, e.g. reference_loss_far."""
+    """Token-level validation loss, each document from its start with a fresh memory,
+    and the loss in each of data.REPEAT_BANDS (far_repeat_loss, far_repeat_tokens,
+    ...), by the reach of a memory of band_memory slots (default: the config's).
+    distances (synthetic data, per document): how far back each reference token's
+    value last appeared; the result then also has the loss on the references in each
+    band, e.g. reference_loss_far."""
     eval_step = eval_step or make_forward_step(step_config(config))
     rows = max(1, min(batch_size, len(docs)))
     state = mt.init_state(config, rows)
@@ -121,8 +124,8 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
 
 
 def full_evaluation(params, config, docs, distances, eval_step, band_memory=None):
-    """evaluate(), and for a memory model the memory-off ablation's loss, perplexity, band and
-    reference losses under the same names with a _memory_off suffix."""
+    """evaluate(), and for a memory model the memory-off ablation's loss, perplexity, band
+    and reference losses under the same names with a _memory_off suffix."""
     B = config.batch_size
     result = evaluate(params, config, docs, B, eval_step, distances, band_memory)
     if config.active_memory_layers:
@@ -134,8 +137,9 @@ def full_evaluation(params, config, docs, distances, eval_step, band_memory=None
 
 
 def format_eval(step, r):
-    """The printed line of an evaluation: loss, perplexity, memory off, the far-repeat tokens'
-    loss (only the memory reaches them), reference losses; each with the memory off beside it."""
+    """The printed line of an evaluation: loss, perplexity, memory off, the
+    far-repeat tokens' loss (only the memory reaches them), reference losses; each
+    with the memory off beside it."""
     off = f" (memory off {r['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in r else ""
     line = f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}"
     parts = [("far-repeat", "far_repeat_loss")]
@@ -169,8 +173,8 @@ def eval_record(step, r):
 
 
 def per_token_loss(params, config, doc):
-    """Cross-entropy of every prediction of one document, from its start with a fresh memory:
-    a float array of len(doc) - 1, and the retrievals of each segment."""
+    """Cross-entropy of every prediction of one document, from its start with a fresh
+    memory: a float array of len(doc) - 1, and the retrievals of each segment."""
     step = make_forward_step(step_config(config), retrievals=True)
     state = mt.init_state(config, 1)
     losses, retrievals = [], []

@@ -1,5 +1,6 @@
-"""Adafactor (Shazeer & Stern, 2018) and the schedule of Sec. 4.2: linear warmup, then square-root
-decay. The T5 bias tables and vectors take the plain step (README, "Initialization").
+"""Adafactor (Shazeer & Stern, 2018) and the schedule of Sec. 4.2: linear
+warmup, then square-root decay. The T5 bias tables and vectors take the plain
+step (README, "Initialization").
 
   init, update = make_optimizer(config)       # optax's (init, update) convention
   updates, opt_state = update(grads, opt_state, params)
@@ -33,9 +34,9 @@ def adafactor(
       U = G / sqrt(V);  U = U / max(1, RMS(U) / clip_threshold)          (update clipping)
       with beta1: M = beta1 M + (1 - beta1) U, and U = M
       update = -lr_t * max(eps2, RMS(X)) * U    (relative to the parameter's scale, rank >= 2)
-    Vectors (norm weights, gate biases, q/k scales), and the leaves that `plain` (a pytree of bools
-    shaped like the params) marks, take the plain step -lr_t * U: their scale says nothing about a
-    good step. learning_rate is a number or a function of the step t.
+    Vectors (norm weights, gate biases, q/k scales), and the leaves that `plain` (a pytree
+    of bools shaped like the params) marks, take the plain step -lr_t * U: their scale
+    says nothing about a good step. learning_rate is a number or a function of the step t.
     """
     lr_fn = learning_rate if callable(learning_rate) else (lambda t: learning_rate)
 
@@ -112,8 +113,9 @@ def learning_rate(step, base_lr, warmup_steps):
 
 
 def make_optimizer(config):
-    """Adafactor on the schedule. The T5 bias tables take the plain step: they start at 0, where a
-    step relative to their scale would leave them, and the model's only position signal, frozen."""
+    """Adafactor on the schedule. The T5 bias tables take the plain step: they start
+    at 0, where a step relative to their scale would leave them, and the model's
+    only position signal, frozen."""
     shapes = jax.eval_shape(lambda: mt.init_params(config, jax.random.PRNGKey(0)))
     plain = jax.tree_util.tree_map_with_path(
         lambda path, _: any(getattr(k, "key", None) == "rel_bias" for k in path), shapes

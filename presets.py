@@ -1,5 +1,5 @@
-"""What a run is: the model's Config, how it is trained (Sec. 4.2), the knobs of kernels.py, and
-the named presets.
+"""What a run is: the model's Config, how it is trained (Sec. 4.2), the knobs of
+kernels.py, and the named presets.
 
   config = PRESETS["tiny"].replace(steps=12000)   # a RunConfig: every field is a train.py flag
   ops = kernels.fast(config.memory_chunk, config.attention)
@@ -53,12 +53,6 @@ class RunConfig(mt.Config):
         )
         check(0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}.")
 
-    @property
-    def model(self):
-        """The model's own Config: this run's fields of memorizing_transformer.Config."""
-        names = [f.name for f in dataclasses.fields(mt.Config)]
-        return mt.Config(**{name: getattr(self, name) for name in names})
-
 
 PRESETS = {
     # Sec. 4.2: 2^17 tokens a step, as 8 micro-batches of 32 rows; 8192 slots scored at a time.
@@ -78,8 +72,9 @@ PRESETS = {
         steps=5000,
         warmup_steps=500,
     ),
-    # The synthetic task's recipe (README): two layers, so that the copy circuit's second half
-    # can only live in the memory layer; a previous-token prior; a rate too low to learn bindings.
+    # The synthetic task's recipe (README): two layers, so that the copy circuit's
+    # second half can only live in the memory layer; a previous-token prior; a
+    # rate too low to learn bindings.
     "synthetic": RunConfig(
         vocab_size=2048,
         d_model=128,

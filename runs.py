@@ -1,8 +1,10 @@
-"""Run directories, for every script: config.json, checkpoints, metrics, resume and fine-tune
-checks, atomic writes, locks, and a run's start. Nothing here is about attention or flags.
+"""Run directories, for every script: config.json, checkpoints, metrics,
+resume and fine-tune checks, atomic writes, locks, and a run's start. Nothing
+here is about attention or flags.
 
-A run directory holds config.json, metrics.jsonl, eval.json, tokenizer.model and checkpoint.npz.
-Every check comes before the first write: a refused command leaves every file as it was.
+A run directory holds config.json, metrics.jsonl, eval.json, tokenizer.model
+and checkpoint.npz. Every check comes before the first write: a refused
+command leaves every file as it was.
 """
 
 import argparse
@@ -27,8 +29,8 @@ import multihost
 import presets
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.npz", "eval.json", "tokenizer.model")
-# The flags that choose a run's data and its validation: --resume takes the run's, and so does
-# --init-from for each one not given.
+# The flags that choose a run's data and its validation: --resume takes the run's, and so
+# does --init-from for each one not given.
 RUN_DATA_ARGS = (
     "data",
     "data_format",
@@ -97,9 +99,9 @@ def _write_content(f, content):
 
 
 def atomic_write(path, content):
-    """Write `content` (bytes, str, or a function that writes to a binary file) to `path` whole or
-    not at all: a hidden temporary file beside it (.NAME.XXXXXXXX.partial), then a rename. The
-    file gets the permissions of any new file (the umask)."""
+    """Write `content` (bytes, str, or a function that writes to a binary file) to `path`
+    whole or not at all: a hidden temporary file beside it (.NAME.XXXXXXXX.partial), then
+    a rename. The file gets the permissions of any new file (the umask)."""
     fd, tmp = tempfile.mkstemp(
         dir=os.path.dirname(os.path.abspath(path)),
         prefix=f".{os.path.basename(path)}.",
@@ -125,8 +127,8 @@ def is_stream(path):
 
 
 def write_output(path, content):
-    """A file the user named (--json, --csv, --out ...): written atomically, or, where it is a
-    stream, written to as it is (a rename would replace the pipe with a file)."""
+    """A file the user named (--json, --csv, --out ...): written atomically, or, where it
+    is a stream, written to as it is (a rename would replace the pipe with a file)."""
     if not is_stream(path):
         return atomic_write(path, content)
     with _naming(path), open(path, "wb") as f:
@@ -143,8 +145,9 @@ def remove_files(folder, which):
 
 
 def drop_partial_files(out):
-    """Remove the temporary files that a kill during an atomic write left in the run directory
-    `out` (and those of the older name, tmpXXXXXXXX.tmp). Only where this process holds its lock."""
+    """Remove the temporary files that a kill during an atomic write left in the
+    run directory `out` (and those of the older name, tmpXXXXXXXX.tmp). Only where
+    this process holds its lock."""
     ours = re.compile(
         r"\.(%s)\.[a-z0-9_]{8}\.partial|tmp[a-z0-9_]{8}\.tmp" % "|".join(map(re.escape, RUN_FILES))
     )
@@ -180,9 +183,10 @@ def inside(path, directory):
 
 
 def check_output_file(path, flag, sources=(), caches=()):
-    """Refuse, before any work, an output file that cannot be written (no directory, or a directory
-    in its place), or that would replace a file of a run directory (RUN_FILES), or lie in one of the
-    corpora `sources` or the caches `caches`. Any other existing file is replaced atomically."""
+    """Refuse, before any work, an output file that cannot be written (no directory, or a
+    directory in its place), or that would replace a file of a run directory (RUN_FILES),
+    or lie in one of the corpora `sources` or the caches `caches`. Any other existing
+    file is replaced atomically."""
     real = os.path.realpath(path)
     if os.path.basename(real) in RUN_FILES and os.path.isfile(
         os.path.join(os.path.dirname(real), "config.json")
@@ -224,15 +228,15 @@ def read_json(path):
 
 
 # ----------------------------------------------------------------------------- run directories
-# Config fields that runs written by the first versions lack: read with the default, which is what
-# those versions did.
+# Config fields that runs written by the first versions lack: read with the default,
+# which is what those versions did.
 ADDED_SINCE = ("attention", "init_prev_token_bias", "init_gate_bias")
 
 
 def json_type(field, value):
-    """Whether a config.json value has its Config field's type: a bool is true or false, an int
-    not a bool, a float any number, memory_layers a list of ints, a str (or None if the default
-    is)."""
+    """Whether a config.json value has its Config field's type: a bool is true or
+    false, an int not a bool, a float any number, memory_layers a list of ints, a str
+    (or None if the default is)."""
     number = lambda x, t: isinstance(x, t) and not isinstance(x, bool)
     return {
         int: number(value, int),
@@ -244,9 +248,9 @@ def json_type(field, value):
 
 
 def read_run_config(run_dir):
-    """A run's config.json as {"config": RunConfig, "args": dict}, read strictly: every field,
-    with its JSON type (ADDED_SINCE's may be missing: their defaults, with a note). A broken file
-    is a cli.UsageError naming what is wrong."""
+    """A run's config.json as {"config": RunConfig, "args": dict}, read strictly: every
+    field, with its JSON type (ADDED_SINCE's may be missing: their defaults, with a note).
+    A broken file is a cli.UsageError naming what is wrong."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
         raise cli.UsageError(f"{run_dir} is not a run directory (no config.json).")
@@ -328,9 +332,9 @@ def finished(out, step):
 
 
 def lock_run_dir(out, held):
-    """Hold an exclusive lock (flock on the directory itself) until `held`, an ExitStack, closes: a
-    second train.py on the same --out is refused. False where the directory does not exist yet,
-    or the file system cannot lock."""
+    """Hold an exclusive lock (flock on the directory itself) until `held`, an ExitStack,
+    closes: a second train.py on the same --out is refused. False where the directory does
+    not exist yet, or the file system cannot lock."""
     try:
         import fcntl
 
@@ -351,8 +355,9 @@ def lock_run_dir(out, held):
 
 
 def write_run_files(out, args, config, tok_path, step):
-    """A run's first writes, once every check has passed: the tokenizer, config.json and an empty
-    metrics.jsonl (on --resume, metrics.jsonl without the lines logged after the checkpoint)."""
+    """A run's first writes, once every check has passed: the tokenizer,
+    config.json and an empty metrics.jsonl (on --resume, metrics.jsonl without the
+    lines logged after the checkpoint)."""
     os.makedirs(out, exist_ok=True)
     own = os.path.join(out, "tokenizer.model")
     if not (os.path.exists(own) and os.path.samefile(tok_path, own)):
@@ -370,9 +375,9 @@ def write_run_files(out, args, config, tok_path, step):
 
 
 def truncate_metrics(path, step, final=False):
-    """Keep the lines logged up to the checkpoint's step (a resumed run logs the later ones again);
-    final: the run ends at this step, so its final evaluation's line goes too. A half-written
-    line is dropped."""
+    """Keep the lines logged up to the checkpoint's step (a resumed run logs the later
+    ones again); final: the run ends at this step, so its final evaluation's line goes
+    too. A half-written line is dropped."""
     keep = []
     with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
         for line in f:
@@ -389,9 +394,10 @@ def truncate_metrics(path, step, final=False):
 
 
 def use_compilation_cache(cache_dir):
-    """Keep the compiled programs in cache_dir/jax (unless JAX_COMPILATION_CACHE_DIR names a cache):
-    a later run of the same config loads them instead of compiling, and gives the same numbers.
-    An entry that an interrupted compile left empty is removed first (JAX never rewrites one)."""
+    """Keep the compiled programs in cache_dir/jax (unless JAX_COMPILATION_CACHE_DIR
+    names a cache): a later run of the same config loads them instead of compiling, and
+    gives the same numbers. An entry that an interrupted compile left empty is removed
+    first (JAX never rewrites one)."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return
     remove_files(
@@ -403,8 +409,8 @@ def use_compilation_cache(cache_dir):
 
 
 def check_fits(config, batch_size):
-    """Refuse a config whose parameters, optimizer, memory and one layer's attention scores alone
-    exceed the device's memory, before anything is allocated."""
+    """Refuse a config whose parameters, optimizer, memory and one layer's attention
+    scores alone exceed the device's memory, before anything is allocated."""
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     params = jax.eval_shape(lambda: mt.init_params(config, jax.random.PRNGKey(0)))
     state = jax.eval_shape(lambda: mt.init_state(config, batch_size))
@@ -439,9 +445,9 @@ def _flat(tree):
 def save_checkpoint(
     path, step, params, opt_state, state, data_position, documents=None, tokenizer=None
 ):
-    """Atomic: a kill during a save leaves the previous checkpoint loadable. documents: the
-    fingerprints of the training documents (in which data_position is a position) and of the
-    validation documents; tokenizer: the hash of the run's tokenizer.model."""
+    """Atomic: a kill during a save leaves the previous checkpoint loadable. documents:
+    the fingerprints of the training documents (in which data_position is a position) and
+    of the validation documents; tokenizer: the hash of the run's tokenizer.model."""
     arrays = {}
     for name, tree in (("params", params), ("opt", opt_state), ("state", state._asdict())):
         arrays.update({f"{name}{k}": v for k, v in _flat(tree).items()})
@@ -459,8 +465,8 @@ def save_checkpoint(
 
 
 def load_checkpoint(path):
-    """(meta, arrays) of a checkpoint; a missing, unreadable, truncated or corrupt file is a
-    cli.UsageError."""
+    """(meta, arrays) of a checkpoint; a missing, unreadable, truncated or
+    corrupt file is a cli.UsageError."""
     if not os.path.isfile(path):
         raise cli.UsageError(f"no checkpoint at {path}.")
     try:
@@ -478,9 +484,9 @@ def load_checkpoint(path):
 
 
 def restore_tree(template, arrays, prefix, path, strict=True):
-    """The arrays of a checkpoint under `prefix` ("params", "opt", "state"), in the template's
-    structure and dtypes; shapes must match. strict=False: a leaf the checkpoint lacks (a gate
-    added to a run without memory) keeps the template's value."""
+    """The arrays of a checkpoint under `prefix` ("params", "opt", "state"), in the
+    template's structure and dtypes; shapes must match. strict=False: a leaf the
+    checkpoint lacks (a gate added to a run without memory) keeps the template's value."""
     leaves = []
     for p, x in jax.tree_util.tree_flatten_with_path(template)[0]:
         key = prefix + jax.tree_util.keystr(p)
@@ -510,9 +516,9 @@ def restore_tree(template, arrays, prefix, path, strict=True):
 
 
 def same_kind(stored, wanted):
-    """Whether a stored array can be read as `wanted`: a float as any float (bfloat16 is stored
-    as 2-byte raw values), an integer as an integer, a bool as a bool; never a string, an
-    object or a complex number."""
+    """Whether a stored array can be read as `wanted`: a float as any float (bfloat16 is
+    stored as 2-byte raw values), an integer as an integer, a bool as a bool; never a
+    string, an object or a complex number."""
     if wanted.kind == "f" or wanted == jnp.bfloat16:
         return (
             stored.kind == "f"
@@ -525,8 +531,9 @@ def same_kind(stored, wanted):
 
 
 def check_same_model(params, arrays, path):
-    """Fine-tuning (and evaluate.py) may add memory to a run's model or drop it, nothing else: every
-    parameter but a memory layer's gate must be in both the checkpoint and this config."""
+    """Fine-tuning (and evaluate.py) may add memory to a run's model or drop it,
+    nothing else: every parameter but a memory layer's gate must be in both the
+    checkpoint and this config."""
     gate = lambda key: key.endswith("['gate_bias']")
     ours = {
         "params" + jax.tree_util.keystr(p)
@@ -550,9 +557,9 @@ def check_same_model(params, arrays, path):
 
 
 def restore_optimizer(opt_state, params, arrays, source_config, path):
-    """Adafactor's state from another run's checkpoint (fine-tuning): the step count, and each
-    parameter's statistics matched by the parameter's name (a new gate shifts the leaves' order).
-    A parameter the source lacks keeps fresh statistics."""
+    """Adafactor's state from another run's checkpoint (fine-tuning): the step count, and
+    each parameter's statistics matched by the parameter's name (a new gate shifts the
+    leaves' order). A parameter the source lacks keeps fresh statistics."""
     names = lambda tree: [
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
     ]
@@ -580,9 +587,10 @@ def restore_optimizer(opt_state, params, arrays, source_config, path):
 
 
 def resume(out, params, opt_state, state, stream, documents, source, config):
-    """(params, optimizer state, model state, step) from the checkpoint in `out`, the templates
-    given as shapes; the data stream moved to where it stopped, in the same documents (their
-    fingerprints, `documents`, must be the checkpoint's), up to config.steps."""
+    """(params, optimizer state, model state, step) from the checkpoint in `out`,
+    the templates given as shapes; the data stream moved to where it stopped, in
+    the same documents (their fingerprints, `documents`, must be the
+    checkpoint's), up to config.steps."""
     path = os.path.join(out, "checkpoint.npz")
     if not os.path.isfile(path):
         raise cli.UsageError(
@@ -627,10 +635,10 @@ def resume(out, params, opt_state, state, stream, documents, source, config):
 
 
 def upgrade_state(arrays, memory_layers):
-    """A checkpoint's model state in today's names: one written before the XL cache and the
-    memory's pending segment became one (State.prev_*) has cache_* and pending_*, whose keys and
-    values are the last segment's in both (the cache's where it has length, else the pending
-    memory layers' in their layers)."""
+    """A checkpoint's model state in today's names: one written before the XL cache and
+    the memory's pending segment became one (State.prev_*) has cache_* and pending_*,
+    whose keys and values are the last segment's in both (the cache's where it has length,
+    else the pending memory layers' in their layers)."""
     if "state['pending_k']" not in arrays:
         return arrays
     arrays = dict(arrays)
@@ -648,8 +656,8 @@ def upgrade_state(arrays, memory_layers):
 
 
 def check_memory_position(state, config, path):
-    """Refuse a state whose memory write position is outside [0, M) or not a multiple of T: the
-    ring buffer's writes would land on the wrong slots."""
+    """Refuse a state whose memory write position is outside [0, M) or not a multiple of
+    T: the ring buffer's writes would land on the wrong slots."""
     M, T = state.mem_valid.shape[1], config.segment_length
     pos = np.asarray(state.mem_pos)
     bad = pos[(pos < 0) | (pos >= max(M, 1)) | (pos % T != 0)]
@@ -661,8 +669,9 @@ def check_memory_position(state, config, path):
 
 
 def init_from(run_dir, params, opt_state, fresh_start):
-    """Fine-tuning (Sec. 4.4): another run's weights (a parameter it lacks starts fresh) and, unless
-    fresh_start, its step count and Adafactor's statistics. Returns (params, opt_state, step)."""
+    """Fine-tuning (Sec. 4.4): another run's weights (a parameter it lacks starts
+    fresh) and, unless fresh_start, its step count and Adafactor's statistics.
+    Returns (params, opt_state, step)."""
     path = os.path.join(run_dir, "checkpoint.npz")
     meta, arrays = load_checkpoint(path)
     check_same_model(params, arrays, path)
@@ -691,8 +700,9 @@ def check_run_data_here(source):
 
 
 def resume_conflict(args, saved, out, given):
-    """The first flag of `given` that would change the run saved in out (its model, training or
-    data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's value); None if there is none."""
+    """The first flag of `given` that would change the run saved in out (its model,
+    training or data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's
+    value); None if there is none."""
     config = saved["config"]
     fields = {f.name for f in dataclasses.fields(presets.RunConfig)}
     for name, value in vars(args).items():
@@ -727,8 +737,9 @@ def resume_conflict(args, saved, out, given):
 
 
 def run_config(args, given):
-    """Check the flags and the run directory; return the run's output directory, config and
-    tokenizer (None: train one). Reads, never writes. given: the flags the command line gave."""
+    """Check the flags and the run directory; return the run's output directory,
+    config and tokenizer (None: train one). Reads, never writes. given: the
+    flags the command line gave."""
     if args.resume and args.init_from:
         raise cli.UsageError("--resume and --init-from cannot be combined.")
     if args.fresh_start and not args.init_from:
@@ -861,10 +872,11 @@ class Run(NamedTuple):
 
 
 def open_run(args, given, held, fresh):
-    """Check everything (flags, run directory, data, checkpoints, memory), lock the directory
-    in `held`, prepare the data, restore or start the weights (fresh(config) -> params, optimizer
-    state) and claim the directory with the run's files. With several processes each check is
-    agreed (one refusal stops them all), and only process 0 writes."""
+    """Check everything (flags, run directory, data, checkpoints, memory), lock the
+    directory in `held`, prepare the data, restore or start the weights
+    (fresh(config) -> params, optimizer state) and claim the directory with the
+    run's files. With several processes each check is agreed (one refusal stops them
+    all), and only process 0 writes."""
     agree, is_main = multihost.agree, multihost.is_main()
     out, config, tokenizer = agree(lambda: run_config(args, given))
     locked = agree(lambda: is_main and lock_run_dir(out, held))  # before the checkpoint is read
@@ -924,8 +936,9 @@ def data_options(args):
 
 
 def save_first_or_undo(out, start_step, path, *checkpoint):
-    """save_checkpoint; where a new run's first checkpoint cannot be written (a full disk), the
-    files the run wrote go too, so that the directory is as it was, and the error says why."""
+    """save_checkpoint; where a new run's first checkpoint cannot be written (a
+    full disk), the files the run wrote go too, so that the directory is as it
+    was, and the error says why."""
     had = os.path.isfile(path)
     try:
         save_checkpoint(path, *checkpoint)
@@ -941,8 +954,8 @@ def save_first_or_undo(out, start_step, path, *checkpoint):
 
 
 def initial_state(config, args, out, stream, documents, fresh):
-    """(params, optimizer state, model state, step): fresh, resumed from the checkpoint in --out,
-    or with --init-from's weights. Reads, never writes."""
+    """(params, optimizer state, model state, step): fresh, resumed from the checkpoint in
+    --out, or with --init-from's weights. Reads, never writes."""
     state = mt.init_state(config, config.batch_size)
     if args.resume:  # the checkpoint has every value: the structure and dtypes are enough
         shapes = jax.eval_shape(lambda: fresh(config))

@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="session")
-def toy_benchmark(tmp_path_factory):
+def toy_benchmark(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("toy_benchmark")
     # The smallest preset (2 layers) at 2 rows: the test is about the rows and the JSON, and
     # each row compiles four programs in a process of its own.
@@ -79,7 +79,7 @@ def test_benchmark_runs_at_a_toy_size_and_writes_the_documented_json(toy_benchma
 
 
 @pytest.fixture(scope="session")
-def train_only_benchmark(tmp_path_factory):
+def train_only_benchmark(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("train_only_benchmark")
     # --compile-jobs with no compilation cache of the test session's: the benchmark makes its
     # own in TMPDIR, and removes it at the end.

@@ -352,7 +352,7 @@ def table(tmp, *flags):
 
 
 @pytest.fixture(scope="session")
-def table_of_two_seeds(tmp_path_factory):
+def table_of_two_seeds(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("table_of_two_seeds")
     # Two of the five rows keep the suite fast (the other three differ only in their flags), and
     # one job serves both table tests and test_cli's: its seed-0 runs are a one-seed table's.
@@ -477,7 +477,7 @@ FINETUNE = [
 
 
 @pytest.fixture(scope="session")
-def finetune_runs(tmp_path_factory):
+def finetune_runs(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("finetune_runs")
     """evaluate.py finetune, in subprocesses beside the suite: its three runs, then --fresh-start's
     one more. (The two processes, the first one's flags, its --out-root and its --cache-dir.)"""

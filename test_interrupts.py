@@ -60,7 +60,7 @@ def wait_until_jax_loads(proc, timeout=120):
 
 
 @pytest.fixture(scope="session")
-def interrupted_train_runs(tmp_path_factory):
+def interrupted_train_runs(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("interrupted_train_runs")
     """Ctrl-C (SIGINT) to train.py 0.2 s and 2 s after it starts to load JAX, and 0.5 s after its
     last step; then the last run resumed: each interrupted process's ending, what the last one
@@ -135,7 +135,7 @@ def test_ctrl_c_while_starting_and_during_the_final_evaluation(interrupted_train
 
 
 @pytest.fixture(scope="session")
-def interrupted_while_jax_starts_a_plugin(tmp_path_factory):
+def interrupted_while_jax_starts_a_plugin(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("interrupted_while_jax_starts_a_plugin")
     """train.py with a JAX plugin (a module of the namespace package jax_plugins, found on the
     PYTHONPATH) that is sent Ctrl-C while it starts, as the CUDA plugin was, loading its
@@ -314,7 +314,7 @@ def test_sigterm_stops_evaluate_and_benchmark_and_no_child_outlives_them(finishe
 
 
 @pytest.fixture(scope="session")
-def peer_benchmark_stopped(tmp_path_factory):
+def peer_benchmark_stopped(tmp_path_factory, runs_commands):
     """SIGTERM to `benchmark.py --peer` once it has started its row process: (its exit code, its
     stderr, the row's pid, whether it still runs half a second later)."""
     with stopped_at_the_end(

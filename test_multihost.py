@@ -102,7 +102,7 @@ def arrays(run):
 
 
 @pytest.fixture(scope="session")
-def multihost_runs(tmp_path_factory, cache):
+def multihost_runs(tmp_path_factory, runs_commands, cache):
     """FAST for STEPS steps: in one process of 4 devices; in 2 processes of 2 devices, started as
     SLURM starts them; and in 2 x 2 with the flags, where process 1 is killed once a checkpoint is
     saved, then resumed in 2 x 2. Each run's directory and what its processes printed."""

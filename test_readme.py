@@ -152,8 +152,8 @@ def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
 
 def test_the_reading_path_stays_plain():
     """The model file is the paper in plain jax.numpy, in at most 520 lines with no docstring over
-    6; the faster forms live in kernels.py. train.py is at most 500 lines, the README at most 400;
-    startup.py alone manages the C heap."""
+    6; the faster forms live in kernels.py. train.py is at most 500 lines, the README at most 400,
+    conftest.py at most 80; startup.py alone manages the C heap."""
 
     def read(name):
         with open(os.path.join(HERE, name), encoding="utf-8") as f:
@@ -163,6 +163,7 @@ def test_the_reading_path_stays_plain():
     assert model.count("\n") <= 520
     assert read("train.py").count("\n") <= 500
     assert read("README.md").count("\n") <= 400
+    assert read("conftest.py").count("\n") <= 80
     assert not re.findall(r"custom_vjp|default_backend|bitcast", model)
     long = [
         (getattr(node, "name", "the module"), node.body[0].end_lineno - node.body[0].lineno + 1)
@@ -190,3 +191,32 @@ def test_no_python_line_is_wider_than_100_characters():
 def read_lines(name):
     with open(os.path.join(HERE, name), encoding="utf-8") as f:
         return f.readlines()
+
+
+def test_no_module_imports_itself_through_others():
+    """The modules' imports, at the top or inside a function, form no circle."""
+    modules = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py") and f[:5] != "test_"}
+    imports = {}
+    for name in modules:
+        with open(os.path.join(HERE, name + ".py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        named = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                named |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                named.add(node.module)
+        imports[name] = named & modules
+    assert imports["runs"] and imports["train"], imports  # the parse sees imports
+
+    def circle(path):
+        for other in sorted(imports[path[-1]]):
+            if other in path:
+                return path[path.index(other) :] + [other]
+            found = circle(path + [other])
+            if found:
+                return found
+        return None
+
+    circles = [c for c in (circle([name]) for name in sorted(modules)) if c]
+    assert not circles, " -> ".join(circles[0])

@@ -272,3 +272,61 @@ def test_sample_refuses_another_runs_tokenizer_as_evaluate_does(
         code, out, err = call(script, argv, capsys)
         assert_refused(code, err, script)
         assert "is not the tokenizer the run in" in err and out == ""
+
+
+def _rewrite_checkpoint(run, edit):
+    """Load run's checkpoint.npz, let edit(arrays) change the arrays, write it back."""
+    with np.load(run / "checkpoint.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    edit(arrays)
+    with open(run / "checkpoint.npz", "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _as_before_prev(arrays):
+    """The state as checkpoints stored it before State.prev_*: the XL cache in cache_*, and the
+    memory layer's (layer 1 of FAST) last segment in pending_*, both of the last segment."""
+    k, v, valid = (arrays.pop(f"state['prev_{x}']") for x in ("k", "v", "valid"))
+    arrays.update({"state['cache_k']": k, "state['cache_v']": v, "state['cache_valid']": valid})
+    arrays["state['pending_k']"] = k[:, [1]]  # [B, Lm, H, T, D]
+    arrays["state['pending_v']"] = v[:, [1]]
+    arrays["state['pending_valid']"] = valid
+
+
+def test_a_checkpoint_written_before_the_state_was_renamed_resumes_to_the_same_run(
+    tmp_path, finished_run, cache, capsys
+):
+    """A checkpoint with the old state fields (cache_*, pending_*) resumes to the same weights,
+    bit for bit, as the same checkpoint in today's fields."""
+    runs_dir = {}
+    for name, edit in (("today", lambda a: None), ("before", _as_before_prev)):
+        run = runs_dir[name] = tmp_path / name
+        shutil.copytree(finished_run, run)
+        _rewrite_checkpoint(run, edit)
+        argv = ["--out", str(run), "--resume", "--steps", "3", "--cache-dir", cache]
+        code, _, err = call("train", argv, capsys)
+        assert code == 0, err
+    with np.load(runs_dir["today"] / "checkpoint.npz") as a:
+        with np.load(runs_dir["before"] / "checkpoint.npz") as b:
+            assert sorted(a.files) == sorted(b.files)
+            for key in a.files:
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.parametrize("position", [10**6, -64, 1])
+def test_a_checkpoint_whose_memory_position_is_off_the_ring_is_refused(
+    tmp_path, finished_run, cache, capsys, position
+):
+    """A write position of 10^6 once resumed with exit 0, and dynamic_update_slice clamped the
+    first write onto the wrong slots; one that is not a multiple of T would write across the
+    ring's end. Each is refused in one sentence, before any file changes."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    key = "state['mem_pos']"
+    _rewrite_checkpoint(run, lambda a: a.update({key: np.full_like(a[key], position)}))
+    before = snapshot(run)
+    argv = ["--out", str(run), "--resume", "--steps", "3", "--cache-dir", cache]
+    code, _, err = call("train", argv, capsys)
+    assert_refused(code, err, argv)
+    assert f"memory write position of {position}, where the memory of 64 slots" in err, err
+    assert snapshot(run) == before

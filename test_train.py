@@ -566,7 +566,7 @@ def test_a_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(
 
 
 @pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
+def smoke_run(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("smoke_run")
     proc = subprocess.run(
         [
@@ -615,7 +615,7 @@ def test_smoke_run_from_the_command_line_writes_a_valid_eval_json(smoke_run):
 
 
 @pytest.fixture(scope="session")
-def three_runs_with_a_cache_dir(tmp_path_factory):
+def three_runs_with_a_cache_dir(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("three_runs_with_a_cache_dir")
     """Three runs with one --cache-dir, the third with JAX_COMPILATION_CACHE_DIR naming another
     cache: each run's process and the --cache-dir's compiled programs after it."""
@@ -660,7 +660,7 @@ def test_a_second_run_loads_its_compiled_programs_from_the_cache_dir_and_gives_t
 
 
 @pytest.fixture(scope="session")
-def runs_on_cpu_devices(tmp_path_factory):
+def runs_on_cpu_devices(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("runs_on_cpu_devices")
     """FAST runs on 4 CPU devices, and where this session's backend is not a CPU on 1: each run's
     process and output directory, by number of devices."""
@@ -942,7 +942,7 @@ def wait_for_step(proc, step):
 
 
 @pytest.fixture(scope="session")
-def run_stopped_by_ctrl_c(tmp_path_factory):
+def run_stopped_by_ctrl_c(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("run_stopped_by_ctrl_c")
     """A run that saves only when stopped, stopped by SIGINT after its third step: its exit code,
     stderr and directory, and its cache."""
@@ -968,7 +968,7 @@ def test_sigint_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(
 
 
 @pytest.fixture(scope="session")
-def run_killed_at_random_points(tmp_path_factory):
+def run_killed_at_random_points(tmp_path_factory, runs_commands):
     tmp = tmp_path_factory.mktemp("run_killed_at_random_points")
     """A run's first checkpoint, then three times: resumed, saving at every step, and killed
     (SIGKILL) 0-0.5 s after a step. The first run's ending, what loading the checkpoint gave

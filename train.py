@@ -6,9 +6,10 @@
   python train.py --init-from runs/a --memory-size 2048 --steps 200   # fine-tune (Sec. 4.4)
   python train.py --out runs/b --coordinator HOST:PORT --num-processes 2 --process-id 0
 
-A run writes config.json, metrics.jsonl (one JSON object per logged step and per evaluation),
-eval.json, tokenizer.model and checkpoint.npz to --out: runs.py keeps the files, optimizer.py is
-Adafactor and the schedule, evaluation.py scores the held-out documents.
+A run writes config.json, metrics.jsonl (one JSON object per logged step and per
+evaluation), eval.json, tokenizer.model and checkpoint.npz to --out: runs.py
+keeps the files, optimizer.py is Adafactor and the schedule, evaluation.py
+scores the held-out documents.
 """
 
 import startup  # first: before JAX loads (malloc on a CPU; an early Ctrl-C leaves in one line)
@@ -50,8 +51,8 @@ PROCESSES = ["--coordinator", "--num-processes", "--process-id", "--coordinator-
 
 
 def build_parser():
-    """train.py's flags. A model or training flag left unset is None: the preset's (or the run's)
-    value."""
+    """train.py's flags. A model or training flag left unset is None: the
+    preset's (or the run's) value."""
     p = cli.parser(
         "Train a Memorizing Transformer (Wu et al., ICLR 2022). A model or training flag left "
         "unset takes the --preset's value (with --init-from, that run's, unless --preset is "
@@ -71,10 +72,11 @@ def build_parser():
 # ----------------------------------------------------------------------------- the step
 @functools.lru_cache(maxsize=8)
 def make_train_step(config, ops=None):
-    """One jitted step: forward over a segment of every row, carry the state, update the params.
-    With grad_accum > 1 the rows are split into micro-batches (each with its own memories) and the
-    gradients summed over all tokens before one update. The buffers are donated, so the memory is
-    updated in place. ops: kernels.fast with the config's knobs, unless given."""
+    """One jitted step: forward over a segment of every row, carry the state, update
+    the params. With grad_accum > 1 the rows are split into micro-batches (each with
+    its own memories) and the gradients summed over all tokens before one update. The
+    buffers are donated, so the memory is updated in place. ops: kernels.fast with the
+    config's knobs, unless given."""
     ops = ops or kernels.fast(config.memory_chunk, config.attention)
     _, opt_update = optimizer.make_optimizer(config)
 
@@ -92,10 +94,10 @@ def make_train_step(config, ops=None):
         if A == 1:
             (total, (state, n)), grads = grad_fn(params, state, batch)
         else:
-            # Micro-batch a takes the a-th A-th of every device's rows, so that no row, and no
-            # memory, leaves its device: [B, ...] -> [devices, A, B/(devices A), ...] -> [A, B/A,
-            # ...] (on one device, a reshape). The sizes are written out: a state of length 0 has
-            # no -1 to infer.
+            # Micro-batch a takes the a-th A-th of every device's rows, so that no row,
+            # and no memory, leaves its device: [B, ...] -> [devices, A, B/(devices A),
+            # ...] -> [A, B/A, ...] (on one device, a reshape). The sizes are written out:
+            # a state of length 0 has no -1 to infer.
             B, devices = config.batch_size, jax.device_count()
             rows = B // (devices * A)  # of one device in one micro-batch
 
@@ -154,8 +156,8 @@ def train(args, given):
 
 
 def train_run(args, given):
-    """Train to config.steps from runs.open_run's start, saving every --save-every steps and on
-    Ctrl-C, then evaluate. given: the flags argv gave. Only process 0 writes."""
+    """Train to config.steps from runs.open_run's start, saving every --save-every steps
+    and on Ctrl-C, then evaluate. given: the flags argv gave. Only process 0 writes."""
     t_start = time.time()
     with contextlib.ExitStack() as held:  # the run directory's lock
         run = runs.open_run(args, given, held, fresh_start)  # every check, before any write
@@ -193,9 +195,10 @@ def model_inputs(batch, config):
 
 
 class Books:
-    """What the loop writes and prints: a line a --log-every steps (metrics.jsonl and stdout),
-    the learning curve's evaluations every --eval-every steps, the checkpoints every --save-every
-    steps, and the final evaluation (eval.json). Only process 0 writes."""
+    """What the loop writes and prints: a line a --log-every steps
+    (metrics.jsonl and stdout), the learning curve's evaluations every
+    --eval-every steps, the checkpoints every --save-every steps, and the final
+    evaluation (eval.json). Only process 0 writes."""
 
     def __init__(self, run, args, t_start):
         self.run, self.args, self.config = run, args, run.config
@@ -252,8 +255,8 @@ class Books:
         self.file.write(json.dumps(evaluation.eval_record(step, r)) + "\n")
 
     def save(self, step, trees, stopping):
-        """A checkpoint every --save-every steps, at the last step and on Ctrl-C; the first one
-        that cannot be written undoes the run."""
+        """A checkpoint every --save-every steps, at the last step and on Ctrl-C; the
+        first one that cannot be written undoes the run."""
         if step % self.args.save_every and step != self.config.steps and not stopping:
             return
         whole = multihost.gather(trees)  # every process's rows
