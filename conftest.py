@@ -37,9 +37,8 @@ jax.config.update("jax_default_matmul_precision", "highest")  # in case a plugin
 
 
 # pytest.ini runs the suite in two processes (pytest-xdist, --dist loadgroup): one takes the tests
-# whose work is a whole command in a process of its own (a fixture that requests runs_commands, or
-# the mark "commands": a long test that shares no program), the other every other test, so that
-# each program the in-process tests share is compiled once.
+# whose work is whole commands (their fixture requests runs_commands, or they are marked commands),
+# the other every other test, so that each program the in-process tests share is compiled once.
 @pytest.fixture(scope="session")
 def runs_commands():
     """Requested by a fixture whose work is whole commands: its tests go to the commands worker."""
