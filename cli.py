@@ -141,11 +141,6 @@ class Flag(NamedTuple):
 
 CONFIG = "the RunConfig field's"  # the type of a field's flag: from the field (config_type)
 SWITCH = "true when given"  # a flag without a value: store_true
-# What an output flag's help says of the file it names.
-REPLACED = (
-    " (an existing file is replaced atomically; a run's own files, and files in a corpus or a "
-    "cache, are refused)"
-)
 FORMATS = ("auto", "repo", "repo-deps", "text", "jsonl")
 
 FLAGS = [
@@ -371,7 +366,8 @@ FLAGS = [
         "--json",
         path_arg,
         None,
-        "write the result to this JSON file" + REPLACED,
+        """write the result to this JSON file (an existing file is replaced atomically; a
+        run's own files, and files in a corpus or a cache, are refused)""",
     ),
     Flag("--doc", count, 0, "validation document index"),
     Flag("--max-tokens", count, 8192, "tokens from the document's start (0 = all)"),
@@ -389,11 +385,29 @@ FLAGS = [
         (default: the evaluated memory's), so that an XL-only run is scored on a
         memory run's far-repeat tokens""",
     ),
-    Flag("--csv", path_arg, None, "per-token output" + REPLACED),
-    Flag("--plot", path_arg, None, "a PNG of delta per token (needs matplotlib)" + REPLACED),
+    Flag(
+        "--csv",
+        path_arg,
+        None,
+        """per-token output (an existing file is replaced atomically; a run's own files, and
+        files in a corpus or a cache, are refused)""",
+    ),
+    Flag(
+        "--plot",
+        path_arg,
+        None,
+        """a PNG of delta per token (needs matplotlib) (an existing file is replaced
+        atomically; a run's own files, and files in a corpus or a cache, are refused)""",
+    ),
     Flag("--top", positive_int, 10, "tokens to show"),
     Flag("--memories", positive_int, 4, "memories kept per query and head"),
-    Flag("--html", path_arg, None, "the HTML file to write" + REPLACED),
+    Flag(
+        "--html",
+        path_arg,
+        None,
+        """the HTML file to write (an existing file is replaced atomically; a run's own
+        files, and files in a corpus or a cache, are refused)""",
+    ),
     Flag(
         "--distances",
         int_list(1),
