@@ -362,6 +362,35 @@ FLAGS = [
     ),
     # ------------------------------------------------------------------------- a trained run
     Flag("run_dir", path_arg, None, "a train.py output directory"),
+    # ------------------------------------------------------------------------- a memorized code base
+    Flag("path", path_arg, None, "a directory of code, or one file, to memorize"),
+    Flag(
+        "file",
+        path_arg,
+        None,
+        "the memory file to write (replaced atomically where it exists)",
+    ),
+    Flag(
+        "--order",
+        ("sorted", "deps"),
+        "sorted",
+        """the files' order: sorted by path, or deps (each after the files it imports, as
+        --data-format repo-deps)""",
+    ),
+    Flag(
+        "--load-memory FILE",
+        path_arg,
+        None,
+        """start every document from this memory file (memorize.py's) instead of an empty
+        memory; a document's own tokens are appended to it, FIFO""",
+    ),
+    Flag(
+        "--score PATH",
+        path_arg,
+        None,
+        """score every file under PATH (a directory, or one file) whole, each its own
+        document, in sorted order, instead of the run's validation set""",
+    ),
     Flag(
         "--json",
         path_arg,

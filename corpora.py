@@ -90,8 +90,11 @@ def _read_text_file(path, stats):
     """The file's text, or None (counted in stats) if it is binary, not UTF-8, unreadable
     or not a regular file (_read_bytes)."""
     raw = _read_bytes(path, stats)
-    if raw is None:
-        return None
+    return None if raw is None else _decode(raw, stats)
+
+
+def _decode(raw, stats):
+    """A file's bytes as text, or None (counted) if binary or not UTF-8."""
     if b"\0" in raw:
         stats["binary"] += 1
         return None
@@ -268,6 +271,66 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, p
                 docs[i : i + 1] = inner
             break
     return docs
+
+
+# A directory memorize.py and evaluate.py --score skip, by cause: what no one's code is.
+BUILD_DIRS = ("build", "dist", "node_modules", "site-packages", "target")
+
+
+def _skip_cause(root, name, full):
+    """Why a code tree's entry is not read (read_tree), or None."""
+    if name.startswith("."):
+        return "hidden"
+    if name == "__pycache__" or name.endswith(".egg-info") or name in BUILD_DIRS:
+        return "build_output"
+    if os.path.isdir(full) and os.path.isfile(os.path.join(full, "pyvenv.cfg")):
+        return "virtualenv"
+    target = os.path.relpath(os.path.realpath(full), os.path.realpath(root))
+    outside = target.split(os.sep)[0] == os.pardir
+    if os.path.islink(full) and (os.path.isdir(full) or outside):
+        return "link"  # to a directory, or to a file outside the tree: not the tree's code
+    return None
+
+
+TREE_FILE_LIMIT = 2**26  # bytes of one file of a code tree; a larger one is skipped as too large
+
+
+def read_tree(path, suffixes=None, dependency_order=False, stats=None):
+    """The files of a code tree (or one file), as [(name relative to path, text)] in sorted
+    path order, or with dependency_order each after the files it imports; what is skipped
+    (hidden, build outputs, virtual environments, links, binary, ...) is counted in stats."""
+    stats = stats if stats is not None else _new_stats()
+    for cause in (*_new_stats(), "hidden", "build_output", "virtualenv", "link"):
+        stats.setdefault(cause, 0)
+    if not os.path.isdir(path):
+        text = _read_text_file(path, stats)
+        return [(os.path.basename(path), text)] if text and text.strip() else []
+    files, stack = [], [""]
+    while stack:  # depth first, in sorted order, with a stack of our own
+        rel = stack.pop()
+        below = []
+        for e in _listdir(os.path.join(path, rel), stats):
+            full, name = os.path.join(path, rel, e), os.path.join(rel, e)
+            cause = _skip_cause(path, e, full)
+            if cause:
+                stats[cause] += 1
+            elif os.path.isdir(full):
+                below.append(name)
+            elif not suffixes or e.endswith(suffixes):
+                raw = _read_bytes(full, stats, TREE_FILE_LIMIT)
+                text = None if raw is None else _decode(raw, stats)
+                if text is not None and text.strip():
+                    files.append((name, text))
+                elif text is not None:
+                    stats["empty"] += 1
+        stack.extend(reversed(below))
+    files.sort(key=lambda f: f[0].split(os.sep))
+    return _dependency_order(files) if dependency_order else files
+
+
+def tree_text(name, text):
+    """A file as the repository reader joins it: a header line naming it, then its text."""
+    return _join_files([(name, text)])
 
 
 def _walk(top, onerror=None):

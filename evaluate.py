@@ -38,6 +38,7 @@ import corpora
 import data
 import evaluation
 import memorizing_transformer as mt
+import memory_file
 import presets
 import runs
 import train
@@ -136,7 +137,76 @@ def validation_docs(args, run_args, sp, config):
 
 
 # ----------------------------------------------------------------------------- subcommands
+def load_memory(args, config, params):
+    """The run's config and the loaded memory's start state (memory_file), or (config,
+    None) without --load-memory; --memory-size adds free slots to the file's."""
+    if not args.load_memory:
+        return config, None
+    tokenizer = data.file_hash(os.path.join(args.run_dir, "tokenizer.model"))
+    memory = memory_file.read(args.load_memory, config, memory_file.params_hash(params),
+                              tokenizer)
+    return memory_file.start_state(memory, config, args.memory_size) + (memory,)
+
+
+def score_documents(args, sp, config):
+    """--score PATH: every file under it whole, each its own document, in sorted order,
+    read as memorize.py reads a code base."""
+    if not os.path.exists(args.score):
+        raise cli.UsageError(f"--score {args.score} does not exist.")
+    files = corpora.read_tree(args.score, corpora.parse_suffixes(args.suffixes))
+    texts = [corpora.tree_text(name, text) for name, text in files]
+    docs = [t for t in data.encode_texts(sp, texts) if len(t) >= 2]
+    if not docs:
+        raise cli.UsageError(f"--score {args.score} holds no readable text to score.")
+    for d in docs:
+        data.check_tokens(d, config.vocab_size)
+    return docs
+
+
+def cmd_score(args):
+    """perplexity with --load-memory or --score: the files of --score (or the validation
+    documents), each from the loaded memory and from a memory as large with no valid
+    slot; the memorized band's loss both ways."""
+    config, params, sp, run_args = load_run(args.run_dir)
+    config, start, *memory = load_memory(args, config, params)
+    if start is None and args.memory_size is not None:
+        config = load_run(args.run_dir, args.memory_size)[0]
+    if args.score:
+        docs = score_documents(args, sp, config)
+    else:
+        docs = validation_docs(args, run_args, sp, config)[0]
+    T, M = config.segment_length, config.memory_size
+    memorized = None
+    if memory:
+        held = memory_file.held_tokens(memory[0])
+        pos = int(start.mem_pos[0])
+        memorized = [evaluation.memorized_band(d, held, pos, M, T) for d in docs]
+    step = evaluation.make_forward_step(evaluation.step_config(config))
+    result = evaluation.evaluate(params, config, docs, 1, step, None, args.band_memory, start,
+                                 memorized)
+    result["memory_size"] = M
+    line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}"
+    if memory:
+        empty = evaluation.evaluate(params, config, docs, 1, step, None, args.band_memory,
+                                    None, memorized)
+        result.update(loss_empty=empty["loss"], perplexity_empty=empty["perplexity"],
+                      memorized_loss_empty=empty["memorized_loss"])
+        line += f"; empty memory {result['loss_empty']:.4f}"
+    print(f"memory {M}: {line}, {corpora.plural(len(docs), 'document')}, {evaluation.scored(result)})")
+    for band in data.REPEAT_BANDS + ("memorized",):
+        if f"{band}_loss" in result:
+            empty = result.get(f"{band}_loss_empty")
+            print(f"{band.replace('_', '-')} tokens: loss {result[f'{band}_loss']:.4f} over "
+                  f"{result[f'{band}_tokens']}"
+                  + ("" if empty is None else f" (empty memory: {empty:.4f})"))
+    if args.json:
+        runs.write_output(args.json, runs.json_text(result))
+    return 0
+
+
 def cmd_perplexity(args):
+    if args.load_memory or args.score:
+        return cmd_score(args)
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
     if args.exact_topk is not None:  # Sec. 3.3: the same weights with the exact or the binned top-k
         config = config.replace(exact_topk=args.exact_topk)
@@ -968,7 +1038,8 @@ def build_parser():
         cli.add(s[name], OF_RUN, unset="the run's")
     run_size = ["--memory-size", "--eval-docs", "--eval-tokens", "--exact-topk"]
     cli.add(s["perplexity"], run_size, unset="the run's")
-    cli.add(s["perplexity"], ["--band-memory", "--json"])
+    cli.add(s["perplexity"], ["--band-memory", "--json", "--load-memory", "--score"])
+    cli.add(s["perplexity"], ["--suffixes"])
     cli.add(s["compare"], ["--memory-sizes", "--csv"], required=True)
     cli.add(s["compare"], OF_DOC + ["--plot"])
     cli.add(s["inspect"], OF_DOC + ["--top"])

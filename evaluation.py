@@ -11,6 +11,7 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import corpora
@@ -68,23 +69,72 @@ def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=N
 DISTANCE_BANDS = {"near": (0, 1), "mid": (1, 2), "far": (2, float("inf"))}  # (lo, hi]
 
 
-def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, band_memory=None):
+def start_documents(state, reset, start):
+    """Rows that start a document begin from `start`'s memory (a loaded one, one row)
+    instead of an empty one, and without an XL cache; forward then takes them as going
+    on (reset False), so that nothing clears or appends. Returns (state, reset)."""
+    r = reset.astype(bool)  # [B]
+
+    def pick(new, old):  # new [1, ...] where r, else old [B, ...]
+        return jnp.where(r.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+
+    state = state._replace(
+        mem_k=pick(start.mem_k, state.mem_k),
+        mem_v=pick(start.mem_v, state.mem_v),
+        mem_valid=pick(start.mem_valid, state.mem_valid),
+        mem_pos=pick(start.mem_pos, state.mem_pos),
+        prev_valid=state.prev_valid & ~r[:, None],
+    )
+    return state, jnp.zeros_like(r)
+
+
+restore = jax.jit(start_documents, donate_argnums=(0,))
+
+
+def memorized_band(doc, held, position, size, T, n=3):
+    """For each target doc[i], i >= 1: whether its context (the n tokens ending at it)
+    occurs in the memorized tokens still held when it is scored, and not earlier in doc.
+    held: the loaded memory's tokens, slot 0 on, in the order streamed (memorize.py's);
+    the document's own segments then overwrite slots from `position` on, T at a time."""
+    slots = np.arange(len(held))
+    evicted = (slots - position) % size // T + 1  # the call from which each slot is gone
+    last = {}  # context -> the last call at which some occurrence is still held
+    for j in range(n - 1, len(held)):
+        key = tuple(int(t) for t in held[j - n + 1 : j + 1])
+        last[key] = max(last.get(key, 0), int(evicted[j - n + 1 : j + 1].min()))
+    new = data.context_distance(doc, n) == 0  # [len(doc) - 1]
+    band = np.zeros(len(doc) - 1, bool)
+    for i in range(n - 1, len(doc)):
+        key = tuple(int(t) for t in doc[i - n + 1 : i + 1])
+        band[i - 1] = new[i - 1] and last.get(key, 0) > (i - 1) // T
+    return band
+
+
+def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, band_memory=None,
+             start=None, memorized=None):
     """Token-level validation loss, each document from its start with a fresh memory,
     and the loss in each of data.REPEAT_BANDS (far_repeat_loss, far_repeat_tokens,
     ...), by the reach of a memory of band_memory slots (default: the config's).
+    start: a loaded memory's one-row state (memory_file.start_state), which each document
+    starts from, one row at a time; memorized: per document, memorized_band's mask, whose
+    loss and count become memorized_loss and memorized_tokens.
     distances (synthetic data, per document): how far back each reference token's
     value last appeared; the result then also has the loss on the references in each
     band, e.g. reference_loss_far."""
     eval_step = eval_step or make_forward_step(step_config(config))
-    rows = max(1, min(batch_size, len(docs)))
+    rows = 1 if start is not None else max(1, min(batch_size, len(docs)))
     state = mt.init_state(config, rows)
     window = config.segment_length + config.cache_length
     memory = config.memory_size if band_memory is None else band_memory
     bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
     total, count, full, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, 0, [], [], [], []
     batches = data.SegmentBatches(docs, rows, config.segment_length, epochs=1)
+    mem_ce = []
     for i, batch in enumerate(batches):
-        out = eval_step(params, state, model_inputs(batch))
+        inputs = model_inputs(batch)
+        if start is not None and batch["reset"].any():
+            state, inputs["reset"] = restore(state, batch["reset"], start)
+        out = eval_step(params, state, inputs)
         state, ce = out.state, np.asarray(out.loss, np.float64)
         if i == 0:  # the step is compiled (if it was not before): take the compiler's holes
             startup.fill_heap_holes()
@@ -97,6 +147,8 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
             full += n if off >= config.memory_size else 0  # the memory holds tokens [0, off)
             band_ce.append(ce[b, :n])
             band_of.append(bands[d][off : off + n])
+            if memorized is not None:
+                mem_ce.append(ce[b, :n][memorized[d][off : off + n]])
             if distances is not None:
                 ref_ce.append(ce[b, :n])
                 ref_dist.append(distances[d][off + 1 : off + 1 + n])
@@ -110,6 +162,10 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
             if np.any(band == name):
                 result[f"{name}_loss"] = float(ce[band == name].mean())
             result[f"{name}_tokens"] = int(np.sum(band == name))
+    if memorized is not None:
+        ce = np.concatenate(mem_ce)
+        result.update(memorized_loss=float(ce.mean()) if ce.size else float("nan"),
+                      memorized_tokens=int(ce.size))
     if ref_ce:
         ce, dist = np.concatenate(ref_ce), np.concatenate(ref_dist)
         result.update(

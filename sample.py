@@ -57,10 +57,12 @@ def generate(
     seed=0,
     vocab=None,
     on_token=None,
+    start=None,
 ):
     """Continue `prompt` (token ids) by num_tokens tokens; returns the new ids. vocab: draw
     only ids below it (a tokenizer may have fewer pieces than the model's vocab_size).
-    on_token(id) is called as each token is chosen."""
+    on_token(id) is called as each token is chosen. start: a loaded memory's state
+    (memory_file.start_state), which the prompt's tokens are appended to."""
     if not len(prompt):
         raise ValueError("the prompt has no tokens.")
     T = config.segment_length
@@ -68,7 +70,7 @@ def generate(
     step = evaluation.make_forward_step(evaluation.step_config(config), donate=False, logits=True)
     rng = np.random.default_rng(seed)
     state, text, done = (
-        mt.init_state(config, 1),
+        mt.init_state(config, 1) if start is None else start,
         [int(t) for t in prompt],
         0,
     )  # text[:done] is in the state
@@ -77,7 +79,7 @@ def generate(
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(segment)] = segment
         mask = np.arange(T)[None] < len(segment)
-        batch = {"tokens": tokens, "targets": tokens, "mask": mask, "reset": np.array([done == 0])}
+        batch = {"tokens": tokens, "targets": tokens, "mask": mask, "reset": np.array([done == 0 and start is None])}
         out = step(params, state, batch)
         return out.logits, out.state
 
@@ -146,7 +148,7 @@ def build_parser():
     cli.add(prompt, ["--prompt", "--prompt-file", "--prompt-doc"])
     cli.add(p, ["--prompt-tokens", "--tokens", "--temperature", "--top-k", "--draw-seed"])
     cli.add(p, ["--memory-size"], unset="the run's")
-    cli.add(p, ["--memory-off", "--echo"])
+    cli.add(p, ["--memory-off", "--echo", "--load-memory"])
     return p
 
 
@@ -162,7 +164,10 @@ def sample(args):
         raise cli.UsageError("--prompt is not UTF-8 text.") from None
     if args.prompt_file is not None:
         text = corpora.read_text(args.prompt_file, "--prompt-file")
-    config, params, sp, run_args = evaluate.load_run(args.run_dir, args.memory_size)
+    config, params, sp, run_args = evaluate.load_run(args.run_dir)
+    config, start, *_ = evaluate.load_memory(args, config, params)
+    if start is None and args.memory_size is not None:
+        config = evaluate.load_run(args.run_dir, args.memory_size)[0]
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
     if (
         args.prompt_doc is not None or run_args["tokenizer"] is None
@@ -199,6 +204,7 @@ def sample(args):
         args.draw_seed,
         sp.get_piece_size(),
         stream.add,
+        start,
     )
     stream.close()
     print(flush=True)
