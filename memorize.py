@@ -91,12 +91,13 @@ def describe(counts):
 
 
 # ----------------------------------------------------------------------------- the keys
-def prefix_model(params, config):
-    """The model up to the top memory layer, which is all its keys need; with one memory
-    layer, that model without memory (the top memory layer's keys never read the memory)."""
+def prefix_model(params, config, slots):
+    """The model up to the top memory layer, which is all its keys need, with a memory of
+    `slots`; with one memory layer, that model without memory (the top memory layer's keys
+    never read the memory)."""
     top = max(config.active_memory_layers)
     lower = config.active_memory_layers[:-1]
-    cut = config.replace(num_layers=top + 1)
+    cut = config.replace(num_layers=top + 1, memory_size=slots)
     if not lower and config.xl_cache:
         cut = cut.replace(memory_layers=(), memory_size=0)
     return dict(params, layers=params["layers"][: top + 1]), cut
@@ -131,7 +132,7 @@ def memorize(params, config, source, slots, dtype, progress=None):
     slot = {n: np.full(slots, -1, memory_file.SLOT_DTYPES[n]) for n in ("token", "file",
                                                                         "offset", "line")}
     valid = np.zeros(slots, bool)  # [M]
-    cut_params, cut = prefix_model(params, config)
+    cut_params, cut = prefix_model(params, config, slots)
     step = key_step(evaluation.step_config(cut))
     state = mt.init_state(cut, 1)
     tokens = np.zeros((1, T), np.int32)
@@ -225,6 +226,7 @@ def run(args):
         "memory_layers": list(config.active_memory_layers),
         "heads": config.num_heads,
         "head_dim": config.head_dim,
+        "segment_length": config.segment_length,
         "dtype": dtype,
         "slots": slots,
         "position": position,

@@ -153,7 +153,7 @@ def read(path, config, params_hash_, tokenizer_hash):
                     f"{header.get(field)}, this run's is {ours}.")
     layers = list(config.active_memory_layers)
     expected = {"memory_layers": layers, "heads": config.num_heads,
-                "head_dim": config.head_dim}
+                "head_dim": config.head_dim, "segment_length": config.segment_length}
     for field, ours in expected.items():
         if header.get(field) != ours:
             _refuse(path, f"was made for {field} {header.get(field)}, this run has {ours}.")

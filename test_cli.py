@@ -34,6 +34,7 @@ import cli
 import corpora
 import data
 import evaluate
+import memorize
 import presets
 import runs
 import sample
@@ -47,6 +48,7 @@ SCRIPTS = {
     "evaluate": evaluate.main,
     "benchmark": benchmark.main,
     "sample": sample.main,
+    "memorize": memorize.main,
 }
 
 

@@ -1,0 +1,247 @@
+"""memorize.py and the memory file: a loaded memory is the memory of streaming the memorized
+text first; the file is checked; the memorized band is what it says."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cli
+import evaluation
+import memorize
+import memorizing_transformer as mt
+import memory_file
+import presets
+from test_cli import assert_refused, call
+
+TOY = presets.RunConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16,
+                        d_ff=64, segment_length=8, memory_size=16, memory_layers=(1,),
+                        num_neighbors=4, batch_size=1)
+
+
+def toy_source(tokens):
+    n = len(tokens)
+    return memorize.Source(["a.py"], np.asarray(tokens, np.int32), np.zeros(n, np.int32),
+                           np.arange(n, dtype=np.int64), np.zeros(n, np.int32), {})
+
+
+def segments(tokens, T):
+    for s in range(0, len(tokens), T):
+        seg = np.zeros((1, T), np.int32)
+        part = tokens[s : s + T]
+        seg[0, : len(part)] = part
+        yield s, seg, np.arange(T)[None] < len(part)
+
+
+def reference_logits(params, config, a, b):
+    """Stream a, then b with the memory kept and the XL cache dropped, through PLAIN
+    forward: b's logits [len(b), V]."""
+    forward = jax.jit(mt.forward, static_argnums=4)
+    state, T = mt.init_state(config, 1), config.segment_length
+    for s, seg, mask in segments(a, T):
+        _, state = forward(params, state, seg, np.array([s == 0]), config, mask)
+    state = mt.commit_memory(state, np.array([False]), config)  # a's last segment appended
+    state = state._replace(prev_valid=state.prev_valid & False)
+    out = []
+    for s, seg, mask in segments(b, T):
+        logits, state = forward(params, state, seg, np.array([False]), config, mask)
+        out.append(np.asarray(logits[0, : int(mask.sum())]))
+    return np.concatenate(out)
+
+
+def write_toy(path, config, params, tokens, slots=None, dtype="float32"):
+    T = config.segment_length
+    slots = slots or -(-len(tokens) // T) * T + config.memory_size
+    arrays, pos, _ = memorize.memorize(params, config, toy_source(tokens), slots, dtype)
+    header = {"params_hash": memory_file.params_hash(params), "tokenizer_hash": "tok",
+              "memory_layers": list(config.active_memory_layers), "heads": config.num_heads,
+              "head_dim": config.head_dim, "segment_length": config.segment_length,
+              "dtype": dtype, "slots": slots, "position": pos,
+              "files": ["a.py"]}
+    memory_file.write(path, header, arrays)
+    return arrays, header
+
+
+@pytest.mark.parametrize("layers", [(1,), (0, 1)])  # one memory layer: no search; two: search
+def test_scoring_from_a_loaded_memory_equals_streaming_the_memorized_text_first(tmp_path, layers):
+    config = TOY.replace(memory_layers=layers)
+    params = mt.init_params(config, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 64, 37), rng.integers(0, 64, 29)  # a's last segment is partial
+    path = str(tmp_path / "a.mem")
+    write_toy(path, config, params, a)
+    memory = memory_file.read(path, config, memory_file.params_hash(params), "tok")
+    loaded, start = memory_file.start_state(memory, config)
+    assert loaded.memory_size == 40 + 16
+    step = evaluation.make_forward_step(evaluation.step_config(loaded), logits=True)
+    state, out = mt.init_state(loaded, 1), []
+    for s, seg, mask in segments(b, config.segment_length):
+        batch = {"tokens": seg, "targets": seg, "mask": mask, "reset": np.array([s == 0])}
+        if s == 0:
+            state, batch["reset"] = evaluation.restore(state, batch["reset"], start)
+        scored = step(params, state, batch)
+        state = scored.state
+        out.append(np.asarray(scored.logits[0, : int(mask.sum())]))
+    want = reference_logits(params, loaded, a, b)
+    np.testing.assert_allclose(np.concatenate(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_saving_then_loading_is_the_identity(tmp_path):
+    params = mt.init_params(TOY, jax.random.PRNGKey(2))
+    path = str(tmp_path / "m.mem")
+    tokens = np.random.default_rng(1).integers(0, 64, 50)
+    arrays, header = write_toy(path, TOY, params, tokens, slots=32)  # 56 tokens' room: FIFO
+    memory = memory_file.read(path, TOY, header["params_hash"], "tok")
+    for name in memory_file.ARRAYS:
+        np.testing.assert_array_equal(memory.arrays[name], arrays[name])
+    assert {k: memory.header[k] for k in header} == header
+    # the last 32 slots' worth of segments kept, oldest first: tokens 24..49, then free slots
+    np.testing.assert_array_equal(memory_file.held_tokens(memory), tokens[24:])
+    assert header["position"] == 0 and memory.arrays["valid"].sum() == 26
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory):
+    config = TOY.replace(num_heads=1, head_dim=4, d_model=4, segment_length=4, memory_size=4,
+                         num_neighbors=2)
+    params = mt.init_params(config, jax.random.PRNGKey(3))
+    path = str(tmp_path_factory.mktemp("mem") / "small.mem")
+    write_toy(path, config, params, np.arange(6), slots=8)
+    with open(path, "rb") as f:
+        return config, memory_file.params_hash(params), f.read()
+
+
+@settings(max_examples=60, deadline=None)
+@given(where=st.floats(0, 1, exclude_max=True), flip=st.integers(1, 255), cut=st.booleans())
+def test_any_changed_byte_or_truncation_is_refused(tmp_path_factory, small_file, where, flip,
+                                                   cut):
+    config, phash, raw = small_file
+    i = int(where * len(raw))
+    broken = raw[:i] if cut else raw[:i] + bytes([raw[i] ^ flip]) + raw[i + 1 :]
+    path = tmp_path_factory.mktemp("broken") / "m.mem"
+    path.write_bytes(broken)
+    with pytest.raises(cli.UsageError):
+        memory_file.read(str(path), config, phash, "tok")
+
+
+def test_a_file_of_another_run_version_or_kind_is_refused(tmp_path, small_file):
+    config, phash, raw = small_file
+    path = tmp_path / "m.mem"
+    path.write_bytes(raw)
+    memory_file.read(str(path), config, phash, "tok")  # as it is: taken
+    cases = [
+        ((config, "0" * 16, "tok"), "another run"),
+        ((config, phash, "other"), "another run"),
+        ((config.replace(num_heads=2, head_dim=2), phash, "tok"), "heads"),
+        ((config.replace(segment_length=8, memory_size=8), phash, "tok"), "segment_length"),
+    ]
+    for given_, words in cases:
+        with pytest.raises(cli.UsageError, match=words):
+            memory_file.read(str(path), *given_)
+    versioned = raw[:8] + (2).to_bytes(4, "little") + raw[12:]
+    others = {"version": versioned, "a memory file": b"def f():\n    return 1\n",
+              "a memory file (memorize": b"PK\x03\x04" + raw[4:]}
+    for words, content in others.items():
+        path.write_bytes(content)
+        with pytest.raises(cli.UsageError, match=words.split()[0]):
+            memory_file.read(str(path), config, phash, "tok")
+
+
+def brute_memorized(doc, held, position, size, T, n=3):
+    """The memorized band by simulation: the ring's slots, overwritten segment by segment."""
+    ring = list(range(len(held))) + [None] * (size - len(held))  # slot -> memorized index
+    out = []
+    for i in range(1, len(doc)):
+        s = (i - 1) // T  # the segment whose call scores target i: s segments appended
+        alive = list(ring)
+        for k in range(s):
+            for j in range((position + k * T) % size, (position + k * T) % size + T):
+                alive[j] = None
+        kept = {x for x in alive if x is not None}
+        ctx = tuple(doc[i - n + 1 : i + 1]) if i >= n - 1 else None
+        seen = any(tuple(doc[j - n + 1 : j + 1]) == ctx for j in range(n - 1, i))
+        found = ctx is not None and any(
+            all(x in kept for x in (j - 2, j - 1, j)) and tuple(held[j - 2 : j + 1]) == ctx
+            for j in range(2, len(held)))
+        out.append(found and not seen)
+    return np.array(out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_the_memorized_band_matches_a_simulation_of_the_ring(draw):
+    T = 4
+    size = draw.draw(st.sampled_from([8, 12, 16]))
+    held = np.array(draw.draw(st.lists(st.integers(0, 3), min_size=0, max_size=size)))
+    position = draw.draw(st.sampled_from(range(0, size, T)))
+    doc = np.array(draw.draw(st.lists(st.integers(0, 3), min_size=2, max_size=30)))
+    got = evaluation.memorized_band(doc, held, position, size, T)
+    np.testing.assert_array_equal(got, brute_memorized(doc, held, position, size, T))
+
+
+def test_a_reset_restores_the_loaded_memory_per_row():
+    config = TOY
+    start = mt.init_state(config, 1)
+    rng = np.random.default_rng(4)
+    start = start._replace(mem_k=start.mem_k + 1.0, mem_valid=start.mem_valid | True,
+                           mem_pos=start.mem_pos + 8)
+    state = jax.tree.map(lambda x: x, mt.init_state(config, 2))
+    state = state._replace(mem_k=state.mem_k + rng.normal(size=state.mem_k.shape),
+                           prev_valid=state.prev_valid | True)
+    before = jax.tree.map(np.asarray, state)
+    got, reset = evaluation.start_documents(state, np.array([True, False]), start)
+    assert not np.asarray(reset).any()
+    np.testing.assert_array_equal(got.mem_k[0], start.mem_k[0])
+    np.testing.assert_array_equal(got.mem_k[1], before.mem_k[1])
+    assert got.mem_valid[0].all() and not got.mem_valid[1].any()
+    assert list(got.mem_pos) == [8, 0]
+    assert not got.prev_valid[0].any() and got.prev_valid[1].all()
+
+
+def test_memorize_writes_a_file_that_scoring_and_sampling_take_and_refuses_bad_input(
+    finished_run, runs_commands, tmp_path, capsys
+):
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    (code / "pkg" / "lib.py").write_text("def frobnicate(x):\n    return x + 1\n" * 8)
+    (code / "pkg" / "use.py").write_text("from lib import frobnicate\nfrobnicate(2)\n")
+    (code / ".hidden").mkdir()
+    (code / "__pycache__").mkdir()
+    os.symlink("/etc/hostname", code / "outside.txt")
+    mem = tmp_path / "code.mem"
+    run = str(finished_run)
+    rc, out, err = call("memorize", [run, str(code), str(mem), "--order", "deps"], capsys)
+    assert rc == 0, err
+    assert "memorized 2 files" in out and "1 hidden" in out and "1 link" in out, out
+    memory = memory_file.read_header(str(mem))
+    assert memory["files"] == ["pkg/lib.py", "pkg/use.py"]
+    json_out = tmp_path / "s.json"
+    rc, out, err = call("evaluate", ["perplexity", run, "--load-memory", str(mem), "--score",
+                                     str(code / "pkg"), "--json", str(json_out)], capsys)
+    assert rc == 0, err
+    assert "memorized tokens" in out or "memorized" in json_out.read_text()
+    rc, out, err = call("sample", [run, "--load-memory", str(mem), "--prompt", "frob",
+                                   "--tokens", "3"], capsys)
+    assert rc == 0, err
+    listing = sorted(os.listdir(tmp_path))
+    bad = [
+        [run, str(tmp_path / "missing"), str(tmp_path / "x.mem")],
+        [run, str(code), str(code / "pkg" / "x.mem")],
+        [run, str(code), str(tmp_path / "no" / "x.mem")],
+        [run, str(code), str(finished_run / "config.json")],
+        [run, str(code), str(tmp_path / "x.mem"), "--memory-size", "0"],
+        [run, str(code), str(tmp_path / "x.mem"), "--memory-size", "-32"],
+        [run, str(code), str(tmp_path / "x.mem"), "--memory-size", "33"],
+        [run, str(code), str(tmp_path / "x.mem"), "--memory-size", str(2**50)],
+        [run, str(code / ".hidden"), str(tmp_path / "x.mem")],
+    ]
+    for argv in bad:
+        rc, _, err = call("memorize", argv, capsys)
+        assert_refused(rc, err, argv)
+    mem.write_bytes(mem.read_bytes()[:-1])
+    argv = ["perplexity", run, "--load-memory", str(mem), "--json", str(tmp_path / "y.json")]
+    rc, _, err = call("evaluate", argv, capsys)
+    assert_refused(rc, err, argv)
+    assert sorted(os.listdir(tmp_path)) == listing  # nothing written, not even a temporary
