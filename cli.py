@@ -362,7 +362,7 @@ FLAGS = [
     ),
     # ------------------------------------------------------------------------- a trained run
     Flag("run_dir", path_arg, None, "a train.py output directory"),
-    # ------------------------------------------------------------------------- a memorized code base
+    # ------------------------------------------------------------------- a memorized code base
     Flag("path", path_arg, None, "a directory of code, or one file, to memorize"),
     Flag(
         "file",

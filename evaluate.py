@@ -192,7 +192,8 @@ def cmd_score(args):
         result.update(loss_empty=empty["loss"], perplexity_empty=empty["perplexity"],
                       memorized_loss_empty=empty["memorized_loss"])
         line += f"; empty memory {result['loss_empty']:.4f}"
-    print(f"memory {M}: {line}, {corpora.plural(len(docs), 'document')}, {evaluation.scored(result)})")
+    documents = corpora.plural(len(docs), "document")
+    print(f"memory {M}: {line}, {documents}, {evaluation.scored(result)})")
     for band in data.REPEAT_BANDS + ("memorized",):
         if f"{band}_loss" in result:
             empty = result.get(f"{band}_loss_empty")

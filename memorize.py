@@ -145,8 +145,10 @@ def memorize(params, config, source, slots, dtype, progress=None):
         state = step(cut_params, state, tokens, mask, np.array([s == 0]))
         if s >= first:
             at = (s - first) * T  # this segment's slots
-            keys[:, :, at : at + n] = np.asarray(state.prev_k[0, layers, :, :n]).astype(keys.dtype)
-            values[:, :, at : at + n] = np.asarray(state.prev_v[0, layers, :, :n]).astype(keys.dtype)
+            new_k = np.asarray(state.prev_k[0, layers, :, :n])  # [Lm, H, n, D]
+            new_v = np.asarray(state.prev_v[0, layers, :, :n])  # [Lm, H, n, D]
+            keys[:, :, at : at + n] = new_k.astype(keys.dtype)
+            values[:, :, at : at + n] = new_v.astype(keys.dtype)
             valid[at : at + n] = True
             for name, column in slot.items():
                 column[at : at + n] = origin[name][s * T : s * T + n]

@@ -187,16 +187,23 @@ def start_state(memory, config, memory_size=None):
         raise cli.UsageError(f"--memory-size {size} is smaller than the loaded memory's {M} "
                              "slots: memorize again with a smaller --memory-size.")
     config = config.replace(memory_size=size, memory_dtype=memory.header["dtype"])
-    state = mt.init_state(config, 1)
+    T = config.segment_length
+    small = config.replace(memory_size=-(-config.num_neighbors // T) * T)
+    state = mt.init_state(small, 1)  # the XL cache's zeros; the memory is the file's
     a = memory.arrays
     pos = memory.header["position"]
     if pos == 0 and size > M and a["valid"].any():  # a full file: the free slots come next
         pos = M
-    pad = ((0, 0), (0, 0), (0, size - M), (0, 0))
+
+    def grown(x, axis):  # the file's array on the device, free slots after M: one copy
+        x = jnp.asarray(x)
+        pad = [(0, size - M if i == axis else 0) for i in range(x.ndim)]
+        return (jnp.pad(x, pad) if size > M else x)[None]
+
     state = state._replace(
-        mem_k=jnp.asarray(np.pad(a["keys"], pad))[None],  # [1, Lm, H, M, D]
-        mem_v=jnp.asarray(np.pad(a["values"], pad))[None],  # [1, Lm, H, M, D]
-        mem_valid=jnp.asarray(np.pad(a["valid"], (0, size - M)))[None],  # [1, M]
+        mem_k=grown(a["keys"], 2),  # [1, Lm, H, M, D]
+        mem_v=grown(a["values"], 2),  # [1, Lm, H, M, D]
+        mem_valid=grown(a["valid"], 0),  # [1, M]
         mem_pos=jnp.full(1, pos, jnp.int32),
     )
     return config, state

@@ -79,7 +79,8 @@ def generate(
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(segment)] = segment
         mask = np.arange(T)[None] < len(segment)
-        batch = {"tokens": tokens, "targets": tokens, "mask": mask, "reset": np.array([done == 0 and start is None])}
+        reset = np.array([done == 0 and start is None])  # a loaded memory: the start, no reset
+        batch = {"tokens": tokens, "targets": tokens, "mask": mask, "reset": reset}
         out = step(params, state, batch)
         return out.logits, out.state
 

@@ -113,7 +113,7 @@ def small_file(tmp_path_factory):
         return config, memory_file.params_hash(params), f.read()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(where=st.floats(0, 1, exclude_max=True), flip=st.integers(1, 255), cut=st.booleans())
 def test_any_changed_byte_or_truncation_is_refused(tmp_path_factory, small_file, where, flip,
                                                    cut):
@@ -169,7 +169,7 @@ def brute_memorized(doc, held, position, size, T, n=3):
     return np.array(out)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_the_memorized_band_matches_a_simulation_of_the_ring(draw):
     T = 4

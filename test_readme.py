@@ -18,6 +18,7 @@ import pytest
 
 import benchmark
 import evaluate
+import memorize
 import sample
 import train
 
@@ -27,6 +28,7 @@ PARSERS = {
     "evaluate.py": evaluate.build_parser,
     "sample.py": sample.build_parser,
     "benchmark.py": benchmark.build_parser,
+    "memorize.py": memorize.build_parser,
 }
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9_]*\b")  # RUN_DIR, PATH, M, A,B, FILE(.png)
 
@@ -152,7 +154,7 @@ def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
 
 def test_the_reading_path_stays_plain():
     """The model file is the paper in plain jax.numpy, in at most 520 lines with no docstring over
-    6; the faster forms live in kernels.py. train.py is at most 500 lines, the README at most 400,
+    6; the faster forms live in kernels.py. train.py is at most 500 lines, the README at most 430,
     conftest.py at most 80; startup.py alone manages the C heap."""
 
     def read(name):
@@ -162,7 +164,7 @@ def test_the_reading_path_stays_plain():
     model = read("memorizing_transformer.py")
     assert model.count("\n") <= 520
     assert read("train.py").count("\n") <= 500
-    assert read("README.md").count("\n") <= 400
+    assert read("README.md").count("\n") <= 430
     assert read("conftest.py").count("\n") <= 80
     assert not re.findall(r"custom_vjp|default_backend|bitcast", model)
     long = [
