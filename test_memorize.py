@@ -201,7 +201,7 @@ def test_a_reset_restores_the_loaded_memory_per_row():
 
 
 def test_memorize_writes_a_file_that_scoring_and_sampling_take_and_refuses_bad_input(
-    finished_run, runs_commands, tmp_path, capsys
+    finished_run, tmp_path, capsys
 ):
     code = tmp_path / "code"
     (code / "pkg").mkdir(parents=True)
