@@ -388,8 +388,8 @@ FLAGS = [
         "--score PATH",
         path_arg,
         None,
-        """score every file under PATH (a directory, or one file) whole, each its own
-        document, in sorted order, instead of the run's validation set""",
+        """the files under PATH (a directory, or one file) instead of the run's validation
+        set: each file whole, its own document, in sorted order""",
     ),
     Flag(
         "--json",
@@ -398,7 +398,7 @@ FLAGS = [
         """write the result to this JSON file (an existing file is replaced atomically; a
         run's own files, and files in a corpus or a cache, are refused)""",
     ),
-    Flag("--doc", count, 0, "validation document index"),
+    Flag("--doc", count, 0, "document index (of the validation set, or of --score's files)"),
     Flag("--max-tokens", count, 8192, "tokens from the document's start (0 = all)"),
     Flag(
         "--memory-sizes",

@@ -137,15 +137,15 @@ def validation_docs(args, run_args, sp, config):
 
 
 # ----------------------------------------------------------------------------- subcommands
-def load_memory(args, config, params):
-    """The run's config and the loaded memory's start state (memory_file), or (config,
-    None) without --load-memory; --memory-size adds free slots to the file's."""
+def load_memory(args, config, params, memory_size=None):
+    """(config, start state, memory_file.Memory) of --load-memory, or (config, None, None)
+    without; memory_size adds free slots to the file's."""
     if not args.load_memory:
-        return config, None
+        return config, None, None
     tokenizer = data.file_hash(os.path.join(args.run_dir, "tokenizer.model"))
     memory = memory_file.read(args.load_memory, config, memory_file.params_hash(params),
                               tokenizer)
-    return memory_file.start_state(memory, config, args.memory_size) + (memory,)
+    return memory_file.start_state(memory, config, memory_size) + (memory,)
 
 
 def score_documents(args, sp, config):
@@ -168,7 +168,7 @@ def cmd_score(args):
     documents), each from the loaded memory and from a memory as large with no valid
     slot; the memorized band's loss both ways."""
     config, params, sp, run_args = load_run(args.run_dir)
-    config, start, *memory = load_memory(args, config, params)
+    config, start, memory = load_memory(args, config, params, args.memory_size)
     if start is None and args.memory_size is not None:
         config = load_run(args.run_dir, args.memory_size)[0]
     if args.score:
@@ -178,7 +178,7 @@ def cmd_score(args):
     T, M = config.segment_length, config.memory_size
     memorized = None
     if memory:
-        held = memory_file.held_tokens(memory[0])
+        held = memory_file.held_tokens(memory)
         pos = int(start.mem_pos[0])
         memorized = [evaluation.memorized_band(d, held, pos, M, T) for d in docs]
     step = evaluation.make_forward_step(evaluation.step_config(config))
@@ -259,10 +259,16 @@ def cmd_perplexity(args):
 
 
 def _doc(args, run_args, sp, config):
-    docs, refs = validation_docs(args, run_args, sp, config)
+    """The --doc'th document, of --score's files where given, else of the validation set."""
+    if getattr(args, "score", None):
+        docs = score_documents(args, sp, config)
+        refs, where = [np.zeros(len(d), bool) for d in docs], f"--score {args.score}"
+    else:
+        docs, refs = validation_docs(args, run_args, sp, config)
+        where = "the validation set"
     if not 0 <= args.doc < len(docs):
         raise cli.UsageError(
-            f"--doc {args.doc} is out of range: the validation set has "
+            f"--doc {args.doc} is out of range: {where} has "
             f"{corpora.plural(len(docs), 'document')}."
         )
     doc = docs[args.doc][: args.max_tokens + 1] if args.max_tokens else docs[args.doc]
@@ -357,27 +363,70 @@ def cmd_compare(args):
     return 0
 
 
-def slot_position(slot, segment, config):
+def slot_position(slot, segment, config, start=0):
     """The document position held by memory `slot` while segment `segment` is processed: segment
-    i of a document is written at slots (i * T) mod M onwards, and the memory holds the latest."""
+    i of a document is written at slots (start + i * T) mod M onwards (start: a loaded memory's
+    write position), and the memory holds the latest. None: the slot holds what the memory
+    held when the document started (a loaded memory's pair, or nothing)."""
     T, per = config.segment_length, config.memory_size // config.segment_length
-    i = segment - 1 - ((segment - 1 - slot // T) % per)
+    block = (slot - start) % config.memory_size // T  # segments 0, per, 2 per, ... wrote here
+    if block >= segment:
+        return None
+    i = segment - 1 - ((segment - 1 - block) % per)
     return i * T + slot % T
+
+
+class Sources:
+    """Where the pairs that a document's queries retrieve came from: the document's own
+    tokens, or a loaded memory's slots (memorize.py's source file, line and tokens)."""
+
+    def __init__(self, sp, config, doc, memory=None, start=None):
+        self.sp, self.config, self.doc = sp, config, doc
+        self.start = 0 if start is None else int(start.mem_pos[0])  # where the doc's writes begin
+        self.memory = memory.arrays if memory else None
+        self.files = memory.header["files"] if memory else []
+
+    def position(self, slot, segment):
+        """The document position of a retrieved slot, or None for a loaded memory's slot."""
+        return slot_position(slot, segment, self.config, self.start)
+
+    def memorized(self, slot):
+        """A loaded memory's slot: (its file:line, its token's piece, the tokens of its file
+        in the slots around it: before [n], after [n])."""
+        a = self.memory
+        around = slice(max(slot - 40, 0), slot + 11)
+        near = np.arange(len(a["token"]))[around]  # [n]
+        same = near[(a["file"][around] == a["file"][slot]) & a["valid"][around]]
+        where = f"{self.files[int(a['file'][slot])]}:{int(a['line'][slot])}"
+        tokens = np.asarray(a["token"])
+        return (where, int(tokens[slot]), tokens[same[same < slot]], tokens[same[same > slot]])
+
+    def describe(self, slot, segment, width=60):
+        """inspect's words for a retrieved slot: (source, piece, context)."""
+        pos = self.position(slot, segment)
+        text = lambda tokens: self.sp.decode([int(t) for t in tokens])
+        if pos is None:
+            where, token, before, after = self.memorized(slot)
+            return where, token, (text(before) + text([token]) + text(after[:10]))[-width:]
+        before = text(self.doc[max(pos - 30, 0) : pos + 10])[-width:]
+        return f"{pos:6d}", int(self.doc[pos]), before
 
 
 def cmd_inspect(args):
     config, params, sp, run_args = load_run(args.run_dir)
     if not config.active_memory_layers:
         raise cli.UsageError(f"{args.run_dir} has no memory to inspect.")
+    config, start, memory = load_memory(args, config, params)
     doc, _ = _doc(args, run_args, sp, config)
-    ce_on, retrievals = evaluation.per_token_loss(params, config, doc)
+    ce_on, retrievals = evaluation.per_token_loss(params, config, doc, start)
     ce_off, _ = evaluation.per_token_loss(mt.memory_off(params), config, doc)
     gain = ce_off - ce_on
     T = config.segment_length
     context = lambda a, b: sp.decode([int(t) for t in doc[max(a, 0) : b]])[-60:]
+    sources = Sources(sp, config, doc, memory, start)
     print(
-        f"validation document {args.doc}: {len(gain)} tokens; memory lowers the loss by "
-        f"{gain.mean():+.4f} nats "
+        f"{'document' if args.score else 'validation document'} {args.doc}: {len(gain)} tokens; "
+        f"memory lowers the loss by {gain.mean():+.4f} nats "
         f"on average (memory off - memory on); the {args.top} largest gains:"
     )
     for i in np.argsort(-gain)[: args.top]:
@@ -390,14 +439,13 @@ def cmd_inspect(args):
             f"{sp.id_to_piece(int(doc[i + 1]))!r} "
             f"gain {gain[i]:+.3f} nats | context: {context(i - 40, i + 1)!r}"
         )
-        for k in np.argsort(-w[h])[:5]:
+        for k in np.argsort(-w[h], kind="stable")[:5]:
             if w[h, k] <= 0:
                 break
-            pos = slot_position(int(r["slots"][0, h, t, k]), seg, config)
+            where, token, text = sources.describe(int(r["slots"][0, h, t, k]), seg)
             print(
-                f"   head {h} weight {w[h, k]:.3f} memory {pos:6d}: "
-                f"{sp.id_to_piece(int(doc[pos]))!r:>14} "
-                f"| {context(pos - 30, pos + 10)!r}"
+                f"   head {h} weight {w[h, k]:.3f} memory {where}: "
+                f"{sp.id_to_piece(token)!r:>14} | {text!r}"
             )
     return 0
 
@@ -467,26 +515,38 @@ def token_text(sp, token):
     return piece
 
 
-def explore_data(params, config, sp, doc, top, run_dir, index):
+def explore_data(params, config, sp, doc, top, run_dir, index, memory=None, start=None):
     """The numbers behind the explore page: every token of `doc` (ids and pieces), the loss of
     predicting it with the memory on and off (as `inspect`), and for each query position,
     per head of the first memory layer, its `top` retrieved memories by attention weight:
-    document position and weight in thousandths (-1 and 0 where a slot held nothing)."""
-    ce_on, retrievals = evaluation.per_token_loss(params, config, doc)
+    document position and weight in thousandths (-1 and 0 where a slot held nothing).
+    With a loaded memory (load_memory's), a retrieved pair of it has position -1 and its
+    index in "memorized" ([file:line, context before, piece, context after]) in
+    "memory_source" (-1 for the document's own pairs)."""
+    ce_on, retrievals = evaluation.per_token_loss(params, config, doc, start)
     ce_off, _ = evaluation.per_token_loss(mt.memory_off(params), config, doc)
     T, n = config.segment_length, len(doc) - 1
+    sources = Sources(sp, config, doc, memory, start)
     pos = np.full((n, config.num_heads, top), -1, np.int64)
+    source = np.full((n, config.num_heads, top), -1, np.int64)
     weight = np.zeros((n, config.num_heads, top), np.int64)
+    memorized = {}  # slot -> its index in the page's list
     for seg, ret in enumerate(retrievals):
         w, slots = ret[0]["weights"][0], ret[0]["slots"][0]  # the first memory layer: [H, T, K]
         for t in range(min(T, n - seg * T)):
             for h in range(config.num_heads):
                 for r, k in enumerate(np.argsort(-w[h, t], kind="stable")[:top]):
-                    if w[h, t, k] > 0:
-                        pos[seg * T + t, h, r] = slot_position(int(slots[h, t, k]), seg, config)
-                        weight[seg * T + t, h, r] = round(1000 * float(w[h, t, k]))
+                    if w[h, t, k] <= 0:
+                        continue
+                    slot = int(slots[h, t, k])
+                    at = sources.position(slot, seg)
+                    if at is None:
+                        source[seg * T + t, h, r] = memorized.setdefault(slot, len(memorized))
+                    else:
+                        pos[seg * T + t, h, r] = at
+                    weight[seg * T + t, h, r] = round(1000 * float(w[h, t, k]))
     gain = ce_off - ce_on
-    return {
+    page = {
         "run": os.path.abspath(run_dir),
         "doc": index,
         "config": dataclasses.asdict(config),
@@ -507,6 +567,15 @@ def explore_data(params, config, sp, doc, top, run_dir, index):
         "memory_pos": pos.ravel().tolist(),
         "memory_weight": weight.ravel().tolist(),
     }
+    if memory:
+        piece = lambda tokens: "".join(token_text(sp, t) for t in tokens)
+        page["memory_source"] = source.ravel().tolist()
+        page["memorized"] = []
+        for slot in memorized:  # in the order of their indices
+            where, token, before, after = sources.memorized(slot)
+            page["memorized"].append([where, piece(before[-8:]), token_text(sp, token),
+                                      piece(after[:3])])
+    return page
 
 
 def script_json(value):
@@ -520,15 +589,21 @@ def cmd_explore(args):
     config, params, sp, run_args = load_run(args.run_dir)
     if not config.active_memory_layers:
         raise cli.UsageError(f"{args.run_dir} has no memory to explore.")
+    config, start, memory = load_memory(args, config, params)
     doc, _ = _doc(args, run_args, sp, config)
-    page = explore_data(params, config, sp, doc, args.memories, args.run_dir, args.doc)
+    page = explore_data(params, config, sp, doc, args.memories, args.run_dir, args.doc, memory,
+                        start)
+    page["document"] = (f"document {args.doc} of --score {args.score}" if args.score
+                        else f"validation document {args.doc}")
+    page["loaded_memory"] = args.load_memory
     # One self-contained file: the data as JSON, a style sheet and a script; no network.
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.html")) as f:
         template = f.read()
     runs.write_output(args.html, template.replace("__DATA__", script_json(page)))
     s = page["summary"]
     print(
-        f"{args.html}: validation document {args.doc}, {s['tokens']} tokens, loss {s['loss']:.4f} "
+        f"{args.html}: {'document' if args.score else 'validation document'} {args.doc}, "
+        f"{s['tokens']} tokens, loss {s['loss']:.4f} "
         "(memory off "
         f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory"
     )
@@ -1045,6 +1120,8 @@ def build_parser():
     cli.add(s["compare"], OF_DOC + ["--plot"])
     cli.add(s["inspect"], OF_DOC + ["--top"])
     cli.add(s["explore"], OF_DOC + ["--memories"])
+    for name in ("inspect", "explore"):
+        cli.add(s[name], ["--load-memory", "--score", "--suffixes"])
     cli.add(s["explore"], ["--html"], required=True)
     cli.add(s["recall"], ["--memory-size", "--dtype"], unset="the run's")
     cli.add(s["recall"], OF_DOC + ["--json"])

@@ -228,14 +228,18 @@ def eval_record(step, r):
     }
 
 
-def per_token_loss(params, config, doc):
+def per_token_loss(params, config, doc, start=None):
     """Cross-entropy of every prediction of one document, from its start with a fresh
-    memory: a float array of len(doc) - 1, and the retrievals of each segment."""
+    memory (or a loaded one, `start`): a float array of len(doc) - 1, and the retrievals
+    of each segment."""
     step = make_forward_step(step_config(config), retrievals=True)
     state = mt.init_state(config, 1)
     losses, retrievals = [], []
     for batch in data.SegmentBatches([doc], 1, config.segment_length, epochs=1):
-        out = step(params, state, model_inputs(batch))
+        inputs = model_inputs(batch)
+        if start is not None and batch["reset"].any():
+            state, inputs["reset"] = restore(state, batch["reset"], start)
+        out = step(params, state, inputs)
         n = int(batch["mask"].sum())
         state = out.state
         losses.append(np.asarray(out.loss[0, :n]))

@@ -33,7 +33,9 @@ MAGIC = b"MTMEMORY"
 VERSION = 1
 ALIGN = 64
 CHUNK = 1 << 22  # bytes hashed at a time: the check reads the file once, in bounded memory
-# name: what each slot holds; keys and values are [Lm, H, M, D], the others [M]
+# name: what each slot holds; keys and values are [Lm, H, M, D], the others [M]: the
+# token id, the index of its file in the header's list, its token offset in the file's
+# text, and its line there (1-based; 0 is the header line that names the file)
 ARRAYS = ("keys", "values", "valid", "token", "file", "offset", "line")
 SLOT_DTYPES = {"valid": "bool", "token": "int32", "file": "int32", "offset": "int64",
                "line": "int32"}

@@ -166,7 +166,7 @@ def sample(args):
     if args.prompt_file is not None:
         text = corpora.read_text(args.prompt_file, "--prompt-file")
     config, params, sp, run_args = evaluate.load_run(args.run_dir)
-    config, start, *_ = evaluate.load_memory(args, config, params)
+    config, start, _ = evaluate.load_memory(args, config, params, args.memory_size)
     if start is None and args.memory_size is not None:
         config = evaluate.load_run(args.run_dir, args.memory_size)[0]
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params

@@ -1,7 +1,11 @@
 """memorize.py and the memory file: a loaded memory is the memory of streaming the memorized
 text first; the file is checked; the memorized band is what it says."""
 
+import json
 import os
+import re
+import shutil
+import subprocess
 
 import jax
 import numpy as np
@@ -9,6 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import cli
+import evaluate
 import evaluation
 import memorize
 import memorizing_transformer as mt
@@ -181,6 +186,23 @@ def test_the_memorized_band_matches_a_simulation_of_the_ring(draw):
     np.testing.assert_array_equal(got, brute_memorized(doc, held, position, size, T))
 
 
+@settings(max_examples=40, deadline=None)
+@given(per=st.integers(1, 5), start=st.integers(0, 4), segment=st.integers(0, 12))
+def test_a_retrieved_slot_is_placed_by_a_simulation_of_the_ring(per, start, segment):
+    """evaluate.slot_position against the ring written segment by segment from a loaded
+    memory's write position: a document position, or None where the slot still holds the
+    loaded memory's pair."""
+    T = 4
+    config = TOY.replace(segment_length=T, memory_size=per * T, num_neighbors=2)
+    start = start % per * T
+    ring = [None] * (per * T)
+    for i in range(segment):
+        for j in range(T):
+            ring[(start + i * T + j) % (per * T)] = i * T + j
+    got = [evaluate.slot_position(slot, segment, config, start) for slot in range(per * T)]
+    assert got == ring
+
+
 def test_a_reset_restores_the_loaded_memory_per_row():
     config = TOY
     start = mt.init_state(config, 1)
@@ -225,6 +247,7 @@ def test_memorize_writes_a_file_that_scoring_and_sampling_take_and_refuses_bad_i
     rc, out, err = call("sample", [run, "--load-memory", str(mem), "--prompt", "frob",
                                    "--tokens", "3"], capsys)
     assert rc == 0, err
+    explore_names_the_sources_inspect_names(run, mem, code / "pkg", tmp_path, capsys)
     listing = sorted(os.listdir(tmp_path))
     bad = [
         [run, str(tmp_path / "missing"), str(tmp_path / "x.mem")],
@@ -245,3 +268,38 @@ def test_memorize_writes_a_file_that_scoring_and_sampling_take_and_refuses_bad_i
     rc, _, err = call("evaluate", argv, capsys)
     assert_refused(rc, err, argv)
     assert sorted(os.listdir(tmp_path)) == listing  # nothing written, not even a temporary
+
+
+def explore_names_the_sources_inspect_names(run, mem, score, tmp_path, capsys):
+    """inspect and explore, from a loaded memory, on use.py (--doc 1): each retrieved pair
+    that inspect lists, explore's page names by the same source (file:line of the memorized
+    code, or the document's position), in the page's data and, where a browser is
+    installed, in the panel it renders."""
+    flags = ["--load-memory", str(mem), "--score", str(score), "--doc", "1"]
+    rc, out, err = call("evaluate", ["inspect", run, "--top", "1"] + flags, capsys)
+    assert rc == 0, err
+    query = int(re.search(r"query (\d+):", out).group(1))
+    rows = re.findall(r"head (\d+) weight ([.\d]+) memory\s+(\S+):", out)
+    assert rows and any(not where.isdigit() for _, _, where in rows), out  # memorized ones
+    page = tmp_path / "page.html"
+    rc, out, err = call("evaluate", ["explore", run, "--html", str(page), "--memories", "5"]
+                        + flags, capsys)
+    assert rc == 0, err
+    d = json.loads(re.search(r'id="data" type="application/json">(.*?)</script>',
+                             page.read_text()).group(1))
+    H, R, h = d["heads"], d["top"], int(rows[0][0])
+    names = []
+    for r in range(len(rows)):
+        k = (query * H + h) * R + r
+        m, pos = d["memory_source"][k], d["memory_pos"][k]
+        names.append(d["memorized"][m][0] if m >= 0 else str(pos))
+        assert abs(d["memory_weight"][k] / 1000 - float(rows[r][1])) <= 0.0015
+    assert names == [where for _, _, where in rows]
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser:  # the panel as a browser draws it, token query + 1 selected
+        dom = subprocess.run([browser, "--headless", "--no-sandbox", "--dump-dom",
+                              f"{page.as_uri()}#token={query + 1}"], capture_output=True,
+                             text=True, timeout=120).stdout
+        cells = re.findall(r"<tr><td>(\d+)</td><td>[.\d]+</td><td class=\"src\">([^<]*)<", dom)
+        assert [w for head, w in cells if int(head) == h][: len(rows)] == names, dom
+    page.unlink()
