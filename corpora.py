@@ -174,6 +174,15 @@ def _is_a_file(path):
     return not os.path.isdir(path)
 
 
+def _leaves(root, full):
+    """A link that no reader follows (counted as a link): one to a directory (a tree could
+    hold itself), or to a file outside root (not the corpus's, nor the code base's, text)."""
+    if not os.path.islink(full):
+        return False
+    target = os.path.relpath(os.path.realpath(full), os.path.realpath(root))
+    return os.path.isdir(full) or target.split(os.sep)[0] == os.pardir
+
+
 def _listdir(path, stats):
     """A directory's entries, sorted; an unreadable directory is counted and gives none."""
     try:
@@ -201,10 +210,12 @@ def _walk_unit(root, rel, rng, stats, suffixes):
         rel, entries, files, out = stack[-1]
         for e in entries:
             full, name = os.path.join(root, rel, e), os.path.join(rel, e)
-            if os.path.isdir(full) and not os.path.islink(full):
+            if _leaves(root, full):
+                stats["link"] += 1
+            elif os.path.isdir(full):
                 stack.append(enter(name))  # its walk goes into `out` once it is done
                 break
-            if _is_a_file(full) and (not suffixes or e.endswith(suffixes)):
+            elif _is_a_file(full) and (not suffixes or e.endswith(suffixes)):
                 text = _read_text_file(full, stats)
                 if text is not None and text.strip():
                     files.append((name, text))
@@ -247,7 +258,9 @@ def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, p
         full = os.path.join(path, e)
         if _skipped(e):
             continue
-        if os.path.isdir(full) and not os.path.islink(full):
+        if _leaves(path, full):
+            stats["link"] += 1
+        elif os.path.isdir(full):
             files = _walk_unit(path, e, random.Random(f"{seed}/{prefix}{e}"), stats, suffixes)
             files = _dependency_order(files) if dependency_order else files
             if files:
@@ -285,11 +298,7 @@ def _skip_cause(root, name, full):
         return "build_output"
     if os.path.isdir(full) and os.path.isfile(os.path.join(full, "pyvenv.cfg")):
         return "virtualenv"
-    target = os.path.relpath(os.path.realpath(full), os.path.realpath(root))
-    outside = target.split(os.sep)[0] == os.pardir
-    if os.path.islink(full) and (os.path.isdir(full) or outside):
-        return "link"  # to a directory, or to a file outside the tree: not the tree's code
-    return None
+    return "link" if _leaves(root, full) else None
 
 
 TREE_FILE_LIMIT = 2**26  # bytes of one file of a code tree; a larger one is skipped as too large
@@ -300,7 +309,7 @@ def read_tree(path, suffixes=None, dependency_order=False, stats=None):
     path order, or with dependency_order each after the files it imports; what is skipped
     (hidden, build outputs, virtual environments, links, binary, ...) is counted in stats."""
     stats = stats if stats is not None else _new_stats()
-    for cause in (*_new_stats(), "hidden", "build_output", "virtualenv", "link"):
+    for cause in (*_new_stats(), "hidden", "build_output", "virtualenv"):
         stats.setdefault(cause, 0)
     if not os.path.isdir(path):
         text = _read_text_file(path, stats)
@@ -368,12 +377,16 @@ def _skipped(name):
     return name.startswith(".") or name == "__pycache__"
 
 
-def _corpus_walk(top, onerror=None):
-    """_walk below a corpus directory, without what _skipped names: what every reader and
-    the format's detection see."""
+def _corpus_walk(top, onerror=None, stats=None):
+    """_walk below a corpus directory, without what _skipped names, nor the links that
+    _leaves names (counted in stats): what every reader and the format's detection see."""
+    stats = stats if stats is not None else _new_stats()
     for root, dirs, files in _walk(top, onerror):
-        dirs[:] = [d for d in dirs if not _skipped(d)]  # (the same list _walk goes on with)
-        yield root, dirs, [f for f in files if not _skipped(f)]
+        kept = {n: not _skipped(n) and not _leaves(top, os.path.join(root, n))
+                for n in dirs + files}
+        stats["link"] += sum(not _skipped(n) and not kept[n] for n in dirs + files)
+        dirs[:] = [d for d in dirs if kept[d]]  # (the same list _walk goes on with)
+        yield root, dirs, [f for f in files if kept[f]]
 
 
 def read_text_dir(path, stats=None):
@@ -381,7 +394,7 @@ def read_text_dir(path, stats=None):
     stats = stats if stats is not None else _new_stats()
     docs = []
     for root, dirs, files in _corpus_walk(
-        path, onerror=lambda e: stats.update(unreadable=stats["unreadable"] + 1)
+        path, lambda e: stats.update(unreadable=stats["unreadable"] + 1), stats
     ):
         dirs.sort()
         for f in sorted(files):
@@ -402,7 +415,7 @@ def read_jsonl(path, stats=None):
         if os.path.isfile(path)
         else [
             os.path.join(r, f)
-            for r, _, fs in sorted(_corpus_walk(path))
+            for r, _, fs in sorted(_corpus_walk(path, stats=stats))
             for f in sorted(fs)
             if f.endswith(".jsonl")
         ]
@@ -607,7 +620,8 @@ def same_source(a, b):
 
 
 def _new_stats():
-    return {"binary": 0, "not_utf8": 0, "empty": 0, "bad_json": 0, "unreadable": 0, "too_large": 0}
+    return {"binary": 0, "not_utf8": 0, "empty": 0, "bad_json": 0, "unreadable": 0, "too_large": 0,
+            "link": 0}
 
 
 def detect_format(path):

@@ -62,12 +62,16 @@ def generate(
     """Continue `prompt` (token ids) by num_tokens tokens; returns the new ids. vocab: draw
     only ids below it (a tokenizer may have fewer pieces than the model's vocab_size).
     on_token(id) is called as each token is chosen. start: a loaded memory's state
-    (memory_file.start_state), which the prompt's tokens are appended to."""
+    (memory_file.start_state), which the prompt's tokens are appended to in place (it is
+    used up)."""
     if not len(prompt):
         raise ValueError("the prompt has no tokens.")
     T = config.segment_length
-    # The state is not donated: a partial segment's call must leave it as it was.
-    step = evaluation.make_forward_step(evaluation.step_config(config), donate=False, logits=True)
+    # A complete segment goes into the state in place (donated); a partial one's call only
+    # reads it, for the next token's logits, and returns no state: no token copies it.
+    advance = evaluation.make_forward_step(evaluation.step_config(config))
+    peek = evaluation.make_forward_step(evaluation.step_config(config), logits=True,
+                                        new_state=False)
     rng = np.random.default_rng(seed)
     state, text, done = (
         mt.init_state(config, 1) if start is None else start,
@@ -75,21 +79,20 @@ def generate(
         0,
     )  # text[:done] is in the state
 
-    def run(segment, state):
+    def run(step, segment, state):
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(segment)] = segment
         mask = np.arange(T)[None] < len(segment)
         reset = np.array([done == 0 and start is None])  # a loaded memory: the start, no reset
         batch = {"tokens": tokens, "targets": tokens, "mask": mask, "reset": reset}
-        out = step(params, state, batch)
-        return out.logits, out.state
+        return step(params, state, batch)
 
     new = []
     while len(new) < num_tokens:
         while len(text) - done > T:  # a complete segment with a token after it: into the state
-            _, state = run(text[done : done + T], state)
+            state = run(advance, text[done : done + T], state).state
             done += T
-        logits, _ = run(text[done:], state)  # 1 to T tokens; the state it returns is dropped
+        logits = run(peek, text[done:], state).logits  # 1 to T tokens; the state is kept
         token = next_token(
             np.asarray(logits[0, len(text) - done - 1, :vocab]), temperature, top_k, rng
         )

@@ -412,6 +412,31 @@ def test_inside_corpus_is_where_a_reader_would_see_a_path(tmp_path):
     assert not corpora.inside_corpus(str(corpus / "x"), str(corpus / "sub" / "missing.jsonl"))
 
 
+def test_a_corpus_link_to_a_directory_or_to_a_file_outside_is_skipped_and_counted(tmp_path):
+    """In every format: a link to a file outside the corpus was followed (its text trained
+    on), a link to a directory was passed over without a word. Both are now counted as
+    links; a link to a file inside the corpus is read."""
+    outside = tmp_path / "outside"
+    write(str(outside / "secret.py"), "secret = 1\n")
+    write(str(outside / "secret.txt"), "secret\n")
+    write(str(outside / "secret.jsonl"), '{"text": "secret"}\n')
+    for fmt, name in (("text", "a.txt"), ("jsonl", "a.jsonl"), ("repo", "r/a.py")):
+        corpus = tmp_path / fmt
+        ext = name.split(".")[-1]
+        write(str(corpus / name), '{"text": "kept"}\n' if fmt == "jsonl" else "kept\n")
+        where = corpus / os.path.dirname(name)
+        os.symlink(outside / f"secret.{ext}", where / f"out.{ext}")  # a file outside: skipped
+        os.symlink(corpus / name, where / f"in.{ext}")  # a file inside: read
+        os.symlink(outside, where / "dir")  # a directory: skipped
+        stats = corpora._new_stats()
+        reader = {"text": corpora.read_text_dir, "jsonl": corpora.read_jsonl,
+                  "repo": corpora.read_repo}[fmt]
+        docs = reader(str(corpus), stats=stats)
+        text = "".join(d.text for d in docs)
+        assert "secret" not in text and text.count("kept") == 2, (fmt, text)
+        assert stats["link"] == 2, (fmt, stats)
+
+
 def test_a_named_pipe_in_a_corpus_is_skipped_and_counted_not_waited_on(tmp_path):
     """A FIFO named like a corpus file (a.txt, a.jsonl, a.py): its read once blocked until
     something wrote to it, that is, forever (and a repository's walk passed it over without
