@@ -332,7 +332,7 @@ FLAGS = [
     Flag(
         "--cache-dir",
         path_arg,
-        None,  # cache_dir(): $MT_CACHE or .cache, read when a parser is built
+        None,  # cache_dir(): $MT_CACHE or CACHE, read when a parser is built
         """tokenizer and token cache (keyed on the corpus, the vocabulary size and
         the validation split), and in its jax/ folder the compiled programs, which a
         later run with the same config loads instead of compiling (--resume: the
@@ -581,9 +581,13 @@ BY_NAME = {f.name.split()[0]: f for f in FLAGS}
 assert len(BY_NAME) == len(FLAGS), "a flag is defined twice"
 
 
+# --cache-dir's default, wherever a script is run from: .cache beside the scripts
+CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+
+
 def cache_dir():
-    """--cache-dir's default: $MT_CACHE, or .cache in the current directory."""
-    return os.environ.get("MT_CACHE") or ".cache"
+    """--cache-dir's default: $MT_CACHE, or CACHE."""
+    return os.environ.get("MT_CACHE") or CACHE
 
 
 def config_type(field):

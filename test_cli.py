@@ -1154,11 +1154,13 @@ def test_an_empty_path_is_refused_not_taken_as_unset_or_as_the_current_directory
     assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
 
 
-def test_an_empty_mt_cache_is_unset(monkeypatch):
-    monkeypatch.setenv(
-        "MT_CACHE", ""
-    )  # the default --cache-dir stays .cache (an empty one is refused)
-    assert train.build_parser().parse_args([]).cache_dir == ".cache"
+def test_an_empty_mt_cache_is_unset_and_the_default_cache_is_beside_the_scripts(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("MT_CACHE", "")  # the default --cache-dir stays (an empty one is refused)
+    monkeypatch.chdir(tmp_path)  # whatever the directory a script is run from
+    here = os.path.dirname(os.path.abspath(train.__file__))
+    assert train.build_parser().parse_args([]).cache_dir == os.path.join(here, ".cache")
     monkeypatch.setenv("MT_CACHE", "/some/cache")
     assert train.build_parser().parse_args([]).cache_dir == "/some/cache"
 
