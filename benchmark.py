@@ -5,6 +5,7 @@
   python benchmark.py --ops plain              # the model's plain pieces, not kernels.FAST
   python benchmark.py --preset paper --batch-size 32 --dtype bfloat16 --attention fused
   python benchmark.py --search --memory-sizes 8192,65536   # the memory search alone
+  python benchmark.py --memorize --memory-sizes 65536,1048576   # memorize.py's and scoring's
   python benchmark.py --peer /tmp/peer/bin/python --repeats 3   # against lucidrains' peer
 
 Each memory size runs in its own process (so that peak memory is that row's own), compiles the
@@ -549,6 +550,97 @@ def search_table(args, base, batch, sizes):
     return 0
 
 
+def full_memory(config, rows=1, key=0):
+    """A state whose memory holds M random unit keys and values, every slot valid (drawn on
+    the device: no host copy)."""
+    state = mt.init_state(config, rows)
+    unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    kk, kv = jax.random.split(jax.random.PRNGKey(key))
+    shape, dtype = state.mem_k.shape, state.mem_k.dtype  # [B, Lm, H, M, D]
+    return state._replace(mem_k=unit(jax.random.normal(kk, shape)).astype(dtype),
+                          mem_v=unit(jax.random.normal(kv, shape)).astype(dtype),
+                          mem_valid=jnp.ones_like(state.mem_valid))
+
+
+def time_memorize(c, memory_size, steps):
+    """memorize.py's step and scoring's (evaluate.py --load-memory), batch 1, at one memory
+    size, on the preset's fresh weights: the median seconds of each over `steps` calls in
+    turn, with a batch-1 forward without memory beside them. memorize: the model up to the
+    top memory layer, with the preset's memory layers and with layers 0 and 1 (whose lower
+    layer searches the memory); score: the whole model's forward over a full memory."""
+    import memorize  # (memorize.py imports nothing of the benchmark's)
+
+    configs = {
+        "score": c.replace(memory_size=memory_size),
+        "no_memory": c.replace(memory_size=0),
+    }
+    params = mt.init_params(configs["score"], jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, c.segment_length), 0, c.vocab_size)
+    batch = {"tokens": tokens, "targets": tokens, "reset": np.array([False]),
+             "mask": np.ones((1, c.segment_length), bool)}
+    calls = {}
+    for name, cfg in configs.items():
+        step = evaluation.make_forward_step(evaluation.step_config(cfg))
+        calls[name] = (lambda p, s, b, f=step: f(p, s, b).state, params, full_memory(cfg))
+    for name, layers in (("memorize", c.memory_layers), ("memorize_0_1", (0, 1))):
+        own = configs["score"].replace(memory_layers=layers)
+        own_params = mt.init_params(own, jax.random.PRNGKey(0))  # with layers' gates
+        cut_params, cut = memorize.prefix_model(own_params, own, memory_size)
+        step = memorize.key_step(evaluation.step_config(cut))
+        calls[name] = (lambda p, s, b, f=step: f(p, s, b["tokens"], b["mask"], b["reset"]),
+                       cut_params, full_memory(cut))
+    states = {name: jax.block_until_ready(f(p, st, batch)) for name, (f, p, st) in calls.items()}
+    times = {name: [] for name in calls}
+    for _ in range(steps):
+        for name, (f, p, _) in calls.items():
+            t0 = time.perf_counter()
+            states[name] = jax.block_until_ready(f(p, states[name], batch))
+            times[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    flops = {m: train_flops(c, 1, m)[1] for m in (0, memory_size)}
+    return {
+        "memory_size": memory_size,
+        "step_s": median,
+        "tokens_per_s": {name: c.segment_length / t for name, t in median.items()},
+        "score_ratio": median["score"] / median["no_memory"],
+        "score_floor_ratio": flops[memory_size] / flops[0],
+        "peak_bytes": peak_bytes(),
+        "device": device_name(),
+    }
+
+
+def memorize_table(args, base, sizes):
+    """--memorize: memorize's and scoring's steps at each nonzero memory size, in this
+    process."""
+    c = base.replace(batch_size=1, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype)
+    rows = [time_memorize(c, m, args.timed_steps) for m in sizes if m]
+    print(
+        f"device: {rows[0]['device']} | preset {args.preset}: batch 1, T {c.segment_length}, "
+        f"memory layers {list(c.memory_layers)}, memory in {c.storage_dtype}, fresh weights, "
+        f"median of {args.timed_steps} calls of each step in turn"
+    )
+    print(f"\n{'memory':>8} {'score ms':>9} {'no memory ms':>13} {'ratio':>7} {'floor':>7} "
+          f"{'/floor':>7} {'memorize tok/s':>15} {'layers 0,1 tok/s':>17} {'peak MiB':>9}")
+    for r in rows:
+        t, n = r["step_s"], r["tokens_per_s"]
+        print(
+            f"{r['memory_size']:>8} {t['score'] * 1e3:>9.2f} {t['no_memory'] * 1e3:>13.2f} "
+            f"{r['score_ratio']:>7.3f} {r['score_floor_ratio']:>7.3f} "
+            f"{r['score_ratio'] / r['score_floor_ratio']:>7.3f} {n['memorize']:>15.0f} "
+            f"{n['memorize_0_1']:>17.0f} {r['peak_bytes'] / 2**20:>9.0f}"
+        )
+    print(
+        "score: a segment's forward over a full memory of that size, against the same forward "
+        "without memory (ratio), and the arithmetic floor of that ratio (the search's and the "
+        "retrieved attention's FLOPs added); memorize: tokens/s of memorize.py's step with the "
+        "preset's memory layers (its top layer needs no search) and with layers 0 and 1 (layer "
+        "0 searches a memory of that size); peak: this process's so far"
+    )
+    if args.json:
+        runs.write_output(args.json, runs.json_text(rows))
+    return 0
+
+
 # ----------------------------------------------------------------------------- the rows' processes
 def stop(proc):
     proc.terminate()
@@ -791,6 +883,7 @@ def build_parser():
     cli.add(
         p, ["--attention", "--ops", "--json", "--profile", "--train-only", "--search"], DEFAULTS
     )
+    cli.add(p, ["--memorize"])
     cli.add(p, ["--rounds", "--compile-jobs", "--peer", "--repeats"])
     cli.add(p, ["--row", "--compile-only", "--alternate"])  # internal: a row in this process
     return p
@@ -821,6 +914,7 @@ def check_flags(args, sizes):
     """Refuse flags that cannot go together, before anything runs."""
     alone = {
         "search": "--search times the search alone, in one process",
+        "memorize": "--memorize times memorize's and scoring's steps, in one process",
         "peer": "--peer times the tiny preset's step beside the peer's",
     }
     defaults = {
@@ -829,6 +923,7 @@ def check_flags(args, sizes):
         "rounds": 0,
         "compile_jobs": 1,
         "search": False,
+        "memorize": False,
     }
     for flag, what in alone.items():
         others = [
@@ -840,8 +935,9 @@ def check_flags(args, sizes):
             raise cli.UsageError(f"{what}: it cannot be combined with {others[0]}.")
     if args.rounds < 0:
         raise cli.UsageError(f"--rounds must be 0 or more, got {args.rounds}.")
-    if args.search and not any(sizes):
-        raise cli.UsageError("--search needs a memory size above 0 in --memory-sizes.")
+    for flag in ("search", "memorize"):
+        if getattr(args, flag) and not any(sizes):
+            raise cli.UsageError(f"--{flag} needs a memory size above 0 in --memory-sizes.")
     if args.peer and (args.preset, args.batch_size or 8, args.dtype) != ("tiny", 8, "float32"):
         raise cli.UsageError(
             "--peer times the tiny preset's step (batch 8, float32) beside the peer's."
@@ -900,6 +996,8 @@ def benchmark(args):
         os.makedirs(args.profile, exist_ok=True)
     if args.search:
         return search_table(args, base, batch, sizes)
+    if args.memorize:
+        return memorize_table(args, base, sizes)
     common = [
         sys.executable,
         os.path.abspath(__file__),

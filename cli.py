@@ -544,6 +544,13 @@ FLAGS = [
         alone, by lax.top_k and in passes; memory size 0 is skipped""",
     ),
     Flag(
+        "--memorize",
+        SWITCH,
+        False,
+        """time memorize.py's step (tokens/s) and scoring's, batch 1, against a forward
+        without memory and its arithmetic floor; memory size 0 is skipped""",
+    ),
+    Flag(
         "--rounds",
         count,
         0,

@@ -325,6 +325,32 @@ def test_benchmark_search_times_the_forms_of_the_search_and_the_top_k_both_ways_
     assert "cannot be combined" in capsys.readouterr().err
 
 
+def test_benchmark_memorize_times_memorizing_and_scoring_beside_a_forward_without_memory(
+    tmp_path, capsys
+):
+    import presets
+
+    out = tmp_path / "memorize.json"
+    argv = ["--memorize", "--preset", "synthetic", "--memory-sizes", "0,512", "--timed-steps",
+            "2", "--json", str(out)]
+    assert benchmark.main(argv) == 0
+    (row,) = json.loads(out.read_text())  # memory size 0 is the rows' baseline: skipped
+    steps = {"score", "no_memory", "memorize", "memorize_0_1"}
+    assert row["memory_size"] == 512 and set(row["step_s"]) == steps
+    c = presets.PRESETS["synthetic"]
+    T, E, H, D, K = c.segment_length, c.d_model, c.num_heads, c.head_dim, c.num_neighbors
+    for name, t in row["step_s"].items():
+        assert t > 0 and row["tokens_per_s"][name] == pytest.approx(T / t)
+    assert row["score_ratio"] == pytest.approx(row["step_s"]["score"] / row["step_s"]["no_memory"])
+    # The floor, counted by hand: a segment's forward of one row, and what one memory layer
+    # adds to it (the [T, M] scores of each head, and attention over the K retrieved pairs).
+    layers = c.num_layers * (2 * T * (4 * E * H * D + 2 * E * c.d_ff) + 2 * 2 * H * T * 2 * T * D)
+    forward = layers + 2 * T * E * c.vocab_size
+    memory = 2 * H * T * 512 * D + 2 * 2 * H * T * K * D
+    assert row["score_floor_ratio"] == pytest.approx((forward + memory) / forward)
+    assert "memorize tok/s" in capsys.readouterr().out
+
+
 def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
     for flags in (
         ["--memory-sizes", "100"],
@@ -334,6 +360,9 @@ def test_benchmark_rejects_bad_sizes_with_exit_code_2(capsys):
         ["--search", "--rounds", "3"],
         ["--compile-jobs", "0"],
         ["--search", "--compile-jobs", "2"],
+        ["--memorize", "--memory-sizes", "0"],
+        ["--memorize", "--search"],
+        ["--memorize", "--rounds", "2"],
         ["--memory-sizes", "0,512,0"],
     ):  # (a repeated size was timed twice; --profile wrote its files over)
         code = benchmark.main(flags)
