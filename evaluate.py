@@ -167,10 +167,10 @@ def cmd_score(args):
     """perplexity with --load-memory or --score: the files of --score (or the validation
     documents), each from the loaded memory and from a memory as large with no valid
     slot; the memorized band's loss both ways."""
-    config, params, sp, run_args = load_run(args.run_dir)
+    # --memory-size: the run's M, or with --load-memory the slots to grow the file's to
+    size = None if args.load_memory else args.memory_size
+    config, params, sp, run_args = load_run(args.run_dir, size)
     config, start, memory = load_memory(args, config, params, args.memory_size)
-    if start is None and args.memory_size is not None:
-        config = load_run(args.run_dir, args.memory_size)[0]
     if args.score:
         docs = score_documents(args, sp, config)
     else:

@@ -40,7 +40,7 @@ import memorizing_transformer as mt
 import memory_file
 import runs
 
-SLOT_BYTES_LIMIT = 0.5  # a memory may take at most this share of the machine's RAM
+RAM_SHARE = 0.5  # a memory may take at most this share of the machine's RAM
 
 
 def build_parser():
@@ -172,7 +172,7 @@ def check_slots(args, config, source):
     width = 2 * len(config.active_memory_layers) * config.num_heads * config.head_dim
     need = slots * (width * memory_file.DTYPES[dtype].itemsize + 21)  # + the slots' sources
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > SLOT_BYTES_LIMIT * ram:
+    if need > RAM_SHARE * ram:
         raise cli.UsageError(f"a memory of {slots} slots takes {need / 2**30:.1f} GiB, more "
                              f"than half of this machine's {ram / 2**30:.1f} GiB; give a "
                              "smaller --memory-size.")

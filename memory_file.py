@@ -188,7 +188,11 @@ def start_state(memory, config, memory_size=None):
     if size < M:
         raise cli.UsageError(f"--memory-size {size} is smaller than the loaded memory's {M} "
                              "slots: memorize again with a smaller --memory-size.")
-    config = config.replace(memory_size=size, memory_dtype=memory.header["dtype"])
+    try:
+        config = config.replace(memory_size=size, memory_dtype=memory.header["dtype"])
+    except ValueError as e:
+        raise cli.UsageError(f"--memory-size {size} does not fit the run: {e}") from None
+    runs.check_fits(config, 1)  # before the free slots are allocated
     T = config.segment_length
     small = config.replace(memory_size=-(-config.num_neighbors // T) * T)
     state = mt.init_state(small, 1)  # the XL cache's zeros; the memory is the file's

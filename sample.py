@@ -168,10 +168,10 @@ def sample(args):
         raise cli.UsageError("--prompt is not UTF-8 text.") from None
     if args.prompt_file is not None:
         text = corpora.read_text(args.prompt_file, "--prompt-file")
-    config, params, sp, run_args = evaluate.load_run(args.run_dir)
+    # --memory-size: the run's M, or with --load-memory the slots to grow the file's to
+    size = None if args.load_memory else args.memory_size
+    config, params, sp, run_args = evaluate.load_run(args.run_dir, size)
     config, start, _ = evaluate.load_memory(args, config, params, args.memory_size)
-    if start is None and args.memory_size is not None:
-        config = evaluate.load_run(args.run_dir, args.memory_size)[0]
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
     if (
         args.prompt_doc is not None or run_args["tokenizer"] is None

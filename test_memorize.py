@@ -260,8 +260,20 @@ def test_memorize_writes_a_file_that_scoring_and_sampling_take_and_refuses_bad_i
         [run, str(code), str(tmp_path / "x.mem"), "--memory-size", str(2**50)],
         [run, str(code / ".hidden"), str(tmp_path / "x.mem")],
     ]
+    no_memory = tmp_path / "no_memory"  # the same run read as one without a memory layer
+    shutil.copytree(finished_run, no_memory)
+    saved = json.loads((no_memory / "config.json").read_text())
+    saved["config"]["memory_size"] = 0
+    (no_memory / "config.json").write_text(json.dumps(saved))
+    bad.append([str(no_memory), str(code), str(tmp_path / "x.mem")])
+    listing = sorted(os.listdir(tmp_path))
     for argv in bad:
         rc, _, err = call("memorize", argv, capsys)
+        assert_refused(rc, err, argv)
+    assert "no memory layer" in err
+    for size in ("96", "100", str(2**40)):  # smaller than the file's, not a multiple of T, huge
+        argv = ["perplexity", run, "--load-memory", str(mem), "--memory-size", size]
+        rc, _, err = call("evaluate", argv, capsys)
         assert_refused(rc, err, argv)
     mem.write_bytes(mem.read_bytes()[:-1])
     argv = ["perplexity", run, "--load-memory", str(mem), "--json", str(tmp_path / "y.json")]
