@@ -538,6 +538,39 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
     return docs
 
 
+def synthetic_halves(num_docs=4, seed=0, candidates=1000):
+    """The synthetic task across documents (README, "Memorize a code base"): documents of
+    synthetic_documents that share no name, each cut after the line that defines its last
+    name, as [(bindings, uses)]. Memorized, the first halves hold every binding; the
+    second halves' first reference to each name is then answered by the loaded memory
+    alone."""
+    halves, taken = [], set()
+    for doc in synthetic_documents(candidates, seed=seed):  # 16 names of 200 each: few disjoint
+        lines = doc.text.splitlines(keepends=True)
+        names = [line.split()[0] for line in lines if line.split()[0] in SYNTHETIC_NAMES]
+        if taken & set(names):
+            continue
+        taken |= set(names)
+        last = max(names.index(n) for n in set(names))  # the last first line, among names
+        cut = [i for i, line in enumerate(lines) if line.split()[0] in SYNTHETIC_NAMES][last]
+        halves.append(("".join(lines[: cut + 1]), "".join(lines[cut + 1 :])))
+        if len(halves) == num_docs:
+            return halves
+    raise ValueError(f"seed {seed} gives fewer than {num_docs} documents with no name shared.")
+
+
+def write_synthetic_halves(out, num_docs=4, seed=0):
+    """synthetic_halves as files: out/bindings/doc_N.txt and out/uses/doc_N.txt (out must
+    not exist)."""
+    os.makedirs(out)
+    for half in ("bindings", "uses"):
+        os.makedirs(os.path.join(out, half))
+    for i, pair in enumerate(synthetic_halves(num_docs, seed)):
+        for half, text in zip(("bindings", "uses"), pair):
+            with open(os.path.join(out, half, f"doc_{i}.txt"), "w", encoding="utf-8") as f:
+                f.write(text)
+
+
 def synthetic_long_documents(num_docs, distance, seed=0, num_names=16):
     """Documents of the synthetic task whose far references sit `distance` tokens back (Sec. 4.4).
 

@@ -437,6 +437,25 @@ def test_a_corpus_link_to_a_directory_or_to_a_file_outside_is_skipped_and_counte
         assert stats["link"] == 2, (fmt, stats)
 
 
+def test_synthetic_halves_bind_in_the_first_half_every_name_the_second_uses(tmp_path):
+    """The demo of memorized bindings: no two documents share a name, and each uses half
+    references only names its bindings half defines, with the same value."""
+    corpora.write_synthetic_halves(str(tmp_path / "h"), num_docs=3, seed=1)
+    seen = set()
+    for i in range(3):
+        bound, used = ({}, {})
+        for half, into in (("bindings", bound), ("uses", used)):
+            for line in (tmp_path / "h" / half / f"doc_{i}.txt").read_text().splitlines():
+                words = line.split()
+                if words[0] in corpora.SYNTHETIC_NAMES:
+                    assert into.setdefault(words[0], words[1]) == words[1]
+        assert used and set(used) <= set(bound) and all(used[n] == bound[n] for n in used)
+        assert not seen & set(bound)
+        seen |= set(bound)
+    with pytest.raises(FileExistsError):  # nothing written over
+        corpora.write_synthetic_halves(str(tmp_path / "h"))
+
+
 def test_a_named_pipe_in_a_corpus_is_skipped_and_counted_not_waited_on(tmp_path):
     """A FIFO named like a corpus file (a.txt, a.jsonl, a.py): its read once blocked until
     something wrote to it, that is, forever (and a repository's walk passed it over without
