@@ -187,6 +187,7 @@ def cmd_score(args):
     result["memory_size"] = M
     line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}"
     if memory:
+        del start  # (its slots are not needed beside the empty memory's)
         empty = evaluation.evaluate(params, config, docs, 1, step, None, args.band_memory,
                                     None, memorized)
         result.update(loss_empty=empty["loss"], perplexity_empty=empty["perplexity"],

@@ -99,17 +99,28 @@ def memorized_band(doc, held, position, size, T, n=3):
     occurs in the memorized tokens still held when it is scored, and not earlier in doc.
     held: the loaded memory's tokens, slot 0 on, in the order streamed (memorize.py's);
     the document's own segments then overwrite slots from `position` on, T at a time."""
-    slots = np.arange(len(held))
-    evicted = (slots - position) % size // T + 1  # the call from which each slot is gone
-    last = {}  # context -> the last call at which some occurrence is still held
-    for j in range(n - 1, len(held)):
-        key = tuple(int(t) for t in held[j - n + 1 : j + 1])
-        last[key] = max(last.get(key, 0), int(evicted[j - n + 1 : j + 1].min()))
-    new = data.context_distance(doc, n) == 0  # [len(doc) - 1]
+    held, doc = np.asarray(held, np.int64), np.asarray(doc, np.int64)
+    V = int(max(held.max(initial=0), doc.max(initial=0))) + 1
+    if V**n >= 2**63:
+        raise ValueError(f"token ids up to {V - 1} do not fit {n}-token contexts in an int64.")
+    code = lambda t: sum(t[k : len(t) - n + 1 + k] * V ** (n - 1 - k) for k in range(n))
+    evicted = (np.arange(len(held)) - position) % size // T + 1  # the call it is gone from
+    alive = evicted[: len(held) - n + 1].copy()  # [contexts]: the call its last slot goes
+    for k in range(1, n):
+        alive = np.minimum(alive, evicted[k : len(held) - n + 1 + k])
+    keys = code(held)  # [contexts]
+    order = np.argsort(keys, kind="stable")
+    uniq, first = np.unique(keys[order], return_index=True)
+    last = np.maximum.reduceat(alive[order], first) if len(uniq) else alive  # [unique]
+    ctx = code(doc)  # [len(doc) - n + 1]: the context ending at doc[i], i >= n - 1
+    at = np.minimum(np.searchsorted(uniq, ctx), max(len(uniq) - 1, 0))
+    found = np.zeros(len(ctx), np.int64)
+    if len(uniq):
+        found = np.where(uniq[at] == ctx, last[at], 0)
     band = np.zeros(len(doc) - 1, bool)
-    for i in range(n - 1, len(doc)):
-        key = tuple(int(t) for t in doc[i - n + 1 : i + 1])
-        band[i - 1] = new[i - 1] and last.get(key, 0) > (i - 1) // T
+    i = np.arange(n - 1, len(doc))  # targets i: prediction i - 1, scored by call (i - 1) // T
+    new = data.context_distance(doc, n) == 0  # [len(doc) - 1]
+    band[i - 1] = new[i - 1] & (found > (i - 1) // T)
     return band
 
 

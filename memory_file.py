@@ -16,6 +16,7 @@ layers, H, D, the dtype, the slot count M, the write position, the memorized fil
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from typing import NamedTuple
@@ -45,10 +46,11 @@ PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
 
 
 class Memory(NamedTuple):
-    """A read memory file: its header (dict) and arrays (read-only, memory-mapped)."""
+    """A read memory file: its header (dict), arrays (read-only, memory-mapped) and path."""
 
     header: dict
     arrays: dict
+    path: str
 
 
 def params_hash(params):
@@ -176,7 +178,7 @@ def read(path, config, params_hash_, tokenizer_hash):
                                  header["data_start"] + entry["offset"], tuple(entry["shape"]))
     if [e["name"] for e in header["arrays"]] != list(ARRAYS):
         _refuse(path, "does not hold the arrays of a memory file: it is corrupt.")
-    return Memory(header, arrays)
+    return Memory(header, arrays, path)
 
 
 def start_state(memory, config, memory_size=None):
@@ -196,23 +198,39 @@ def start_state(memory, config, memory_size=None):
     T = config.segment_length
     small = config.replace(memory_size=-(-config.num_neighbors // T) * T)
     state = mt.init_state(small, 1)  # the XL cache's zeros; the memory is the file's
-    a = memory.arrays
     pos = memory.header["position"]
-    if pos == 0 and size > M and a["valid"].any():  # a full file: the free slots come next
+    if pos == 0 and size > M and memory.arrays["valid"].any():  # a full file: free slots next
         pos = M
-
-    def grown(x, axis):  # the file's array on the device, free slots after M: one copy
-        x = jnp.asarray(x)
-        pad = [(0, size - M if i == axis else 0) for i in range(x.ndim)]
-        return (jnp.pad(x, pad) if size > M else x)[None]
-
     state = state._replace(
-        mem_k=grown(a["keys"], 2),  # [1, Lm, H, M, D]
-        mem_v=grown(a["values"], 2),  # [1, Lm, H, M, D]
-        mem_valid=grown(a["valid"], 0),  # [1, M]
+        mem_k=jax.device_put(grown(memory, "keys", size)),  # [1, Lm, H, size, D]
+        mem_v=jax.device_put(grown(memory, "values", size)),  # [1, Lm, H, size, D]
+        mem_valid=jnp.asarray(grown(memory, "valid", size)),  # [1, size]
         mem_pos=jnp.full(1, pos, jnp.int32),
     )
     return config, state
+
+
+def grown(memory, name, size):
+    """The file's array read straight into its final buffer, one row with free slots after
+    the file's M (zeros): [1, ..., size, ...]. Read, not mapped: the file's pages are not
+    kept as a second copy of it."""
+    entry = next(e for e in memory.header["arrays"] if e["name"] == name)
+    shape, M = entry["shape"], memory.header["slots"]
+    axis = 2 if name in ("keys", "values") else 0  # the slot axis: [Lm, H, M, D] or [M]
+    dims, dtype = [1] + shape[:axis] + [size] + shape[axis + 1 :], DTYPES[entry["dtype"]]
+    # Pages of their own, zeros until read (the free slots stay so): aligned, a CPU device
+    # takes the buffer as it is, and else it goes back to the system once copied.
+    pages = mmap.mmap(-1, max(int(np.prod(dims)) * dtype.itemsize, 1))
+    out = np.frombuffer(pages, dtype, int(np.prod(dims))).reshape(dims)
+    lead = int(np.prod(shape[:axis]))  # the (layer, head) blocks before the slot axis
+    blocks = out.reshape(lead, size, -1)  # [Lm * H, size, D] or [1, size, 1]
+    with open(memory.path, "rb") as f:
+        f.seek(memory.header["data_start"] + entry["offset"])
+        for block in blocks:
+            view = block[:M].view(np.uint8).reshape(-1)  # the file's slots of this block
+            if f.readinto(view) != view.size:
+                raise cli.UsageError(f"{memory.path} was cut short while it was read.")
+    return out
 
 
 def held_tokens(memory):
