@@ -560,14 +560,14 @@ def synthetic_halves(num_docs=4, seed=0, candidates=1000):
 
 
 def write_synthetic_halves(out, num_docs=4, seed=0):
-    """synthetic_halves as files: out/bindings/doc_N.txt and out/uses/doc_N.txt (out must
+    """synthetic_halves as files: out/bindings/bind_N.txt and out/uses/use_N.txt (out must
     not exist)."""
     os.makedirs(out)
     for half in ("bindings", "uses"):
         os.makedirs(os.path.join(out, half))
     for i, pair in enumerate(synthetic_halves(num_docs, seed)):
-        for half, text in zip(("bindings", "uses"), pair):
-            with open(os.path.join(out, half, f"doc_{i}.txt"), "w", encoding="utf-8") as f:
+        for half, text in zip(("bindings/bind", "uses/use"), pair):
+            with open(os.path.join(out, f"{half}_{i}.txt"), "w", encoding="utf-8") as f:
                 f.write(text)
 
 

@@ -45,13 +45,11 @@ class Scored(NamedTuple):
 
 
 @functools.lru_cache(maxsize=16)
-def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=None,
-                      new_state=True):
+def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=None):
     """forward over a segment of every row, jitted once per config, for training's
     evaluation, evaluate.py, sample.py and memorize.py: (params, state, batch) ->
-    Scored. donate=False keeps the state given; new_state=False returns none (its
-    state is None), so that the state is read and never copied. ops: kernels.fast
-    with the config's knobs, unless given."""
+    Scored. donate=False keeps the state given. ops: kernels.fast with the
+    config's knobs, unless given."""
     ops = ops or kernels.fast(config.memory_chunk, config.attention)
 
     def step(params, state, batch):
@@ -60,10 +58,9 @@ def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=N
             params, state, tokens, reset, config, mask=mask, return_retrievals=True, ops=ops
         )
         ce = mt.cross_entropy(out, batch["targets"]) * mask  # [B, T]
-        return Scored(state if new_state else None, ce, out if logits else None,
-                      found if retrievals else None)
+        return Scored(state, ce, out if logits else None, found if retrievals else None)
 
-    return jax.jit(step, donate_argnums=(1,) if donate and new_state else ())
+    return jax.jit(step, donate_argnums=(1,) if donate else ())
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -22,6 +22,7 @@ if __name__ == "__main__":
 
 import argparse
 
+import jax.numpy as jnp
 import numpy as np
 
 import cli
@@ -67,11 +68,11 @@ def generate(
     if not len(prompt):
         raise ValueError("the prompt has no tokens.")
     T = config.segment_length
-    # A complete segment goes into the state in place (donated); a partial one's call only
-    # reads it, for the next token's logits, and returns no state: no token copies it.
-    advance = evaluation.make_forward_step(evaluation.step_config(config))
-    peek = evaluation.make_forward_step(evaluation.step_config(config), logits=True,
-                                        new_state=False)
+    # Every call takes the state in place (donated): no token copies the memory. A partial
+    # segment's call appends the last complete segment to the memory, as the next call would
+    # (the same pairs in the same slots), and what else it changes is put back (keep).
+    step = evaluation.make_forward_step(evaluation.step_config(config), logits=True)
+    keep = ("prev_k", "prev_v", "prev_valid", "mem_pos")  # the XL cache, the write position
     rng = np.random.default_rng(seed)
     state, text, done = (
         mt.init_state(config, 1) if start is None else start,
@@ -79,7 +80,7 @@ def generate(
         0,
     )  # text[:done] is in the state
 
-    def run(step, segment, state):
+    def run(segment, state):
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(segment)] = segment
         mask = np.arange(T)[None] < len(segment)
@@ -90,9 +91,11 @@ def generate(
     new = []
     while len(new) < num_tokens:
         while len(text) - done > T:  # a complete segment with a token after it: into the state
-            state = run(advance, text[done : done + T], state).state
+            state = run(text[done : done + T], state).state
             done += T
-        logits = run(peek, text[done:], state).logits  # 1 to T tokens; the state is kept
+        kept = {name: jnp.copy(getattr(state, name)) for name in keep}  # (small)
+        out = run(text[done:], state)  # 1 to T tokens
+        state, logits = out.state._replace(**kept), out.logits
         token = next_token(
             np.asarray(logits[0, len(text) - done - 1, :vocab]), temperature, top_k, rng
         )

@@ -444,8 +444,8 @@ def test_synthetic_halves_bind_in_the_first_half_every_name_the_second_uses(tmp_
     seen = set()
     for i in range(3):
         bound, used = ({}, {})
-        for half, into in (("bindings", bound), ("uses", used)):
-            for line in (tmp_path / "h" / half / f"doc_{i}.txt").read_text().splitlines():
+        for half, into in (("bindings/bind", bound), ("uses/use", used)):
+            for line in (tmp_path / "h" / f"{half}_{i}.txt").read_text().splitlines():
                 words = line.split()
                 if words[0] in corpora.SYNTHETIC_NAMES:
                     assert into.setdefault(words[0], words[1]) == words[1]

@@ -19,6 +19,7 @@ import memorize
 import memorizing_transformer as mt
 import memory_file
 import presets
+import sample
 from test_cli import assert_refused, call
 
 TOY = presets.RunConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=16,
@@ -91,6 +92,25 @@ def test_scoring_from_a_loaded_memory_equals_streaming_the_memorized_text_first(
         out.append(np.asarray(scored.logits[0, : int(mask.sum())]))
     want = reference_logits(params, loaded, a, b)
     np.testing.assert_allclose(np.concatenate(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_sampling_from_a_loaded_memory_is_the_argmax_of_streaming_it_first(tmp_path):
+    """sample.generate from a loaded memory, each call in place: every token it picks is the
+    argmax of the plain forward streaming the memorized text, then the prompt and the tokens
+    before it (the memory wraps: 29 + 20 tokens of the prompt's own beyond its free slots)."""
+    params = mt.init_params(TOY, jax.random.PRNGKey(5))
+    params["layers"][1]["gate_bias"] = params["layers"][1]["gate_bias"] + 1.0  # lean on it
+    rng = np.random.default_rng(5)
+    a, prompt = rng.integers(0, 64, 30), rng.integers(0, 64, 29)
+    path = str(tmp_path / "a.mem")
+    write_toy(path, TOY, params, a)
+    memory = memory_file.read(path, TOY, memory_file.params_hash(params), "tok")
+    loaded, start = memory_file.start_state(memory, TOY)
+    new = sample.generate(params, loaded, prompt, 20, temperature=0, start=start)
+    text = np.concatenate([prompt, new])
+    logits = reference_logits(params, loaded, a, text)
+    for i in range(len(prompt), len(text)):
+        assert text[i] == np.argmax(logits[i - 1]), i
 
 
 def test_saving_then_loading_is_the_identity(tmp_path):
