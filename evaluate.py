@@ -183,13 +183,15 @@ def cmd_score(args):
         memorized = [evaluation.memorized_band(d, held, pos, M, T) for d in docs]
     step = evaluation.make_forward_step(evaluation.step_config(config))
     result = evaluation.evaluate(params, config, docs, 1, step, None, args.band_memory, start,
-                                 memorized)
+                                 memorized, per_token=True)
     result["memory_size"] = M
+    losses = {"loss": result.pop("per_token")}
     line = f"perplexity {result['perplexity']:.3f} (loss {result['loss']:.4f}"
     if memory:
         del start  # (its slots are not needed beside the empty memory's)
         empty = evaluation.evaluate(params, config, docs, 1, step, None, args.band_memory,
-                                    None, memorized)
+                                    None, memorized, per_token=True)
+        losses["loss_empty"] = empty.pop("per_token")
         result.update(loss_empty=empty["loss"], perplexity_empty=empty["perplexity"],
                       memorized_loss_empty=empty["memorized_loss"])
         line += f"; empty memory {result['loss_empty']:.4f}"
@@ -203,12 +205,30 @@ def cmd_score(args):
                   + ("" if empty is None else f" (empty memory: {empty:.4f})"))
     if args.json:
         runs.write_output(args.json, runs.json_text(result))
+    if args.csv:
+        runs.write_output(args.csv, token_table(sp, docs, losses, memorized))
     return 0
+
+
+def token_table(sp, docs, losses, memorized):
+    """--csv of a scored memory: a row per target (document, index, id, piece), its loss
+    (and with the empty memory), and whether it is in the memorized band."""
+    table = io.StringIO(newline="")
+    w = csv.writer(table)
+    w.writerow(["document", "index", "target", "target_piece", *losses, "memorized"])
+    for d, doc in enumerate(docs):
+        for i, t in enumerate(doc[1:]):
+            band = "" if memorized is None else int(memorized[d][i])
+            values = [f"{losses[k][d][i]:.6f}" for k in losses]
+            w.writerow([d, i + 1, int(t), sp.id_to_piece(int(t)), *values, band])
+    return table.getvalue()
 
 
 def cmd_perplexity(args):
     if args.load_memory or args.score:
         return cmd_score(args)
+    if args.csv:
+        raise cli.UsageError("--csv (a row per target) goes with --load-memory or --score.")
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
     if args.exact_topk is not None:  # Sec. 3.3: the same weights with the exact or the binned top-k
         config = config.replace(exact_topk=args.exact_topk)
@@ -1115,7 +1135,7 @@ def build_parser():
         cli.add(s[name], OF_RUN, unset="the run's")
     run_size = ["--memory-size", "--eval-docs", "--eval-tokens", "--exact-topk"]
     cli.add(s["perplexity"], run_size, unset="the run's")
-    cli.add(s["perplexity"], ["--band-memory", "--json", "--load-memory", "--score"])
+    cli.add(s["perplexity"], ["--band-memory", "--json", "--load-memory", "--score", "--csv"])
     cli.add(s["perplexity"], ["--suffixes"])
     cli.add(s["compare"], ["--memory-sizes", "--csv"], required=True)
     cli.add(s["compare"], OF_DOC + ["--plot"])

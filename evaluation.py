@@ -122,13 +122,14 @@ def memorized_band(doc, held, position, size, T, n=3):
 
 
 def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, band_memory=None,
-             start=None, memorized=None):
+             start=None, memorized=None, per_token=False):
     """Token-level validation loss, each document from its start with a fresh memory,
     and the loss in each of data.REPEAT_BANDS (far_repeat_loss, far_repeat_tokens,
     ...), by the reach of a memory of band_memory slots (default: the config's).
     start: a loaded memory's one-row state (memory_file.start_state), which each document
     starts from, one row at a time; memorized: per document, memorized_band's mask, whose
-    loss and count become memorized_loss and memorized_tokens.
+    loss and count become memorized_loss and memorized_tokens. per_token: the result's
+    "per_token" holds each document's losses, [len(doc) - 1] each.
     distances (synthetic data, per document): how far back each reference token's
     value last appeared; the result then also has the loss on the references in each
     band, e.g. reference_loss_far."""
@@ -140,7 +141,7 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
     bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
     total, count, full, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, 0, [], [], [], []
     batches = data.SegmentBatches(docs, rows, config.segment_length, epochs=1)
-    mem_ce = []
+    mem_ce, each = [], [np.zeros(len(d) - 1) for d in docs]
     for i, batch in enumerate(batches):
         inputs = model_inputs(batch)
         if start is not None and batch["reset"].any():
@@ -158,6 +159,7 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
             full += n if off >= config.memory_size else 0  # the memory holds tokens [0, off)
             band_ce.append(ce[b, :n])
             band_of.append(bands[d][off : off + n])
+            each[d][off : off + n] = ce[b, :n]
             if memorized is not None:
                 mem_ce.append(ce[b, :n][memorized[d][off : off + n]])
             if distances is not None:
@@ -177,6 +179,8 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
         ce = np.concatenate(mem_ce)
         result.update(memorized_loss=float(ce.mean()) if ce.size else float("nan"),
                       memorized_tokens=int(ce.size))
+    if per_token:
+        result["per_token"] = each
     if ref_ce:
         ce, dist = np.concatenate(ref_ce), np.concatenate(ref_dist)
         result.update(

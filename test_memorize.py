@@ -1,6 +1,7 @@
 """memorize.py and the memory file: a loaded memory is the memory of streaming the memorized
 text first; the file is checked; the memorized band is what it says."""
 
+import csv
 import json
 import os
 import re
@@ -260,10 +261,21 @@ def test_memorize_writes_a_file_that_scoring_and_sampling_take_and_refuses_bad_i
     memory = memory_file.read_header(str(mem))
     assert memory["files"] == ["pkg/lib.py", "pkg/use.py"]
     json_out = tmp_path / "s.json"
+    csv_out = tmp_path / "s.csv"
     rc, out, err = call("evaluate", ["perplexity", run, "--load-memory", str(mem), "--score",
-                                     str(code / "pkg"), "--json", str(json_out)], capsys)
+                                     str(code / "pkg"), "--json", str(json_out), "--csv",
+                                     str(csv_out)], capsys)
     assert rc == 0, err
-    assert "memorized tokens" in out or "memorized" in json_out.read_text()
+    result = json.loads(json_out.read_text())
+    with open(csv_out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == result["tokens"] and sum(r["memorized"] == "1" for r in rows) == (
+        result["memorized_tokens"]) > 0
+    for column, key in (("loss", "loss"), ("loss_empty", "loss_empty")):  # the rows' means
+        assert np.mean([float(r[column]) for r in rows]) == pytest.approx(result[key], abs=1e-5)
+        band = [float(r[column]) for r in rows if r["memorized"] == "1"]
+        assert np.mean(band) == pytest.approx(result["memorized_" + key], abs=1e-5)
+    csv_out.unlink()
     rc, out, err = call("sample", [run, "--load-memory", str(mem), "--prompt", "frob",
                                    "--tokens", "3"], capsys)
     assert rc == 0, err
@@ -295,6 +307,9 @@ def test_memorize_writes_a_file_that_scoring_and_sampling_take_and_refuses_bad_i
         argv = ["perplexity", run, "--load-memory", str(mem), "--memory-size", size]
         rc, _, err = call("evaluate", argv, capsys)
         assert_refused(rc, err, argv)
+    argv = ["perplexity", run, "--csv", str(tmp_path / "y.csv")]  # a row per target: of a score
+    rc, _, err = call("evaluate", argv, capsys)
+    assert_refused(rc, err, argv)
     mem.write_bytes(mem.read_bytes()[:-1])
     argv = ["perplexity", run, "--load-memory", str(mem), "--json", str(tmp_path / "y.json")]
     rc, _, err = call("evaluate", argv, capsys)
