@@ -550,16 +550,32 @@ def search_table(args, base, batch, sizes):
     return 0
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def unit_vectors(shape, dtype, seed):
+    """Pseudo-random unit vectors along the last axis, from a hash of each element's index
+    (murmur3's finalizer): one fused program, nothing of the whole size beside the answer
+    (jax.random's bits and normals would be two more such arrays)."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+        stride *= shape[axis]
+    h = (index + jnp.uint32(seed * 0x9E3779B9 % 2**32)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    x = (h ^ (h >> 16)).astype(jnp.float32) / 2.0**31 - 1.0  # uniform in [-1, 1)
+    return (x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))).astype(dtype)
+
+
 def full_memory(config, rows=1, key=0):
     """A state whose memory holds M random unit keys and values, every slot valid (drawn on
-    the device: no host copy)."""
-    state = mt.init_state(config, rows)
-    unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
-    kk, kv = jax.random.split(jax.random.PRNGKey(key))
-    shape, dtype = state.mem_k.shape, state.mem_k.dtype  # [B, Lm, H, M, D]
-    return state._replace(mem_k=unit(jax.random.normal(kk, shape)).astype(dtype),
-                          mem_v=unit(jax.random.normal(kv, shape)).astype(dtype),
-                          mem_valid=jnp.ones_like(state.mem_valid))
+    the device: no host copy, and no empty memory allocated first)."""
+    shapes = jax.eval_shape(lambda: mt.init_state(config, rows))
+    state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes._replace(
+        mem_k=None, mem_v=None, mem_valid=None))
+    mem = shapes.mem_k  # [B, Lm, H, M, D]
+    return state._replace(mem_k=unit_vectors(mem.shape, mem.dtype, 2 * key),
+                          mem_v=unit_vectors(mem.shape, mem.dtype, 2 * key + 1),
+                          mem_valid=jnp.ones(shapes.mem_valid.shape, bool))
 
 
 def time_memorize(c, memory_size, steps):
