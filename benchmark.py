@@ -602,8 +602,8 @@ def time_memorize(c, memory_size, steps):
         own = configs["score"].replace(memory_layers=layers)
         own_params = mt.init_params(own, jax.random.PRNGKey(0))  # with layers' gates
         cut_params, cut = memorize.prefix_model(own_params, own, memory_size)
-        step = memorize.key_step(evaluation.step_config(cut))
-        calls[name] = (lambda p, s, b, f=step: f(p, s, b["tokens"], b["mask"], b["reset"]),
+        step = memorize.key_step(evaluation.step_config(cut), tuple(layers), c.storage_dtype)
+        calls[name] = (lambda p, s, b, f=step: f(p, s, b["tokens"], b["mask"], b["reset"])[0],
                        cut_params, full_memory(cut))
     states = {name: jax.block_until_ready(f(p, st, batch)) for name, (f, p, st) in calls.items()}
     times = {name: [] for name in calls}

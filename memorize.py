@@ -28,6 +28,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import cli
@@ -104,15 +105,16 @@ def prefix_model(params, config, slots):
 
 
 @functools.lru_cache(maxsize=4)
-def key_step(config):
-    """(params, state, tokens [1, T], mask [1, T], reset [1]) -> the new state, whose
-    prev_k and prev_v hold the segment's keys and values; the logits are never computed
-    (nothing reads them, so XLA leaves them out)."""
+def key_step(config, layers, dtype):
+    """(params, state, tokens [1, T], mask [1, T], reset [1]) -> (the new state, the
+    segment's keys and values in `layers`, [2, Lm, H, T, D] in `dtype`); the logits are never
+    computed (nothing reads them, so XLA leaves them out)."""
     ops = kernels.fast(config.memory_chunk, config.attention)
 
     def step(params, state, tokens, mask, reset):
         _, state = mt.forward(params, state, tokens, reset, config, mask=mask, ops=ops)
-        return state
+        pairs = jnp.stack([state.prev_k[0, list(layers)], state.prev_v[0, list(layers)]])
+        return state, pairs.astype(dtype)
 
     return jax.jit(step, donate_argnums=(1,))
 
@@ -133,27 +135,33 @@ def memorize(params, config, source, slots, dtype, progress=None):
                                                                         "offset", "line")}
     valid = np.zeros(slots, bool)  # [M]
     cut_params, cut = prefix_model(params, config, slots)
-    step = key_step(evaluation.step_config(cut))
+    step = key_step(evaluation.step_config(cut), tuple(layers), keys.dtype)
     state = mt.init_state(cut, 1)
-    tokens = np.zeros((1, T), np.int32)
     origin = {"token": source.tokens, "file": source.file, "offset": source.offset,
               "line": source.line}  # [N] each
+
+    def keep(s, pairs):  # segment s's pairs into its slots (s >= first)
+        n, at = min(T, N - s * T), (s - first) * T
+        pairs = np.asarray(pairs)  # [2, Lm, H, T, D]
+        keys[:, :, at : at + n], values[:, :, at : at + n] = pairs[0, :, :, :n], pairs[1, :, :, :n]
+        valid[at : at + n] = True
+        for name, column in slot.items():
+            column[at : at + n] = origin[name][s * T : s * T + n]
+
+    waiting = None  # the last segment's pairs, copied out while the next segment runs
     for s in range(segments):
         n = min(T, N - s * T)
-        tokens[0, :n], tokens[0, n:] = source.tokens[s * T : s * T + n], 0
+        tokens = np.zeros((1, T), np.int32)  # its own: a step may still read the last one
+        tokens[0, :n] = source.tokens[s * T : s * T + n]
         mask = np.arange(T)[None] < n  # [1, T]
-        state = step(cut_params, state, tokens, mask, np.array([s == 0]))
-        if s >= first:
-            at = (s - first) * T  # this segment's slots
-            new_k = np.asarray(state.prev_k[0, layers, :, :n])  # [Lm, H, n, D]
-            new_v = np.asarray(state.prev_v[0, layers, :, :n])  # [Lm, H, n, D]
-            keys[:, :, at : at + n] = new_k.astype(keys.dtype)
-            values[:, :, at : at + n] = new_v.astype(keys.dtype)
-            valid[at : at + n] = True
-            for name, column in slot.items():
-                column[at : at + n] = origin[name][s * T : s * T + n]
+        state, pairs = step(cut_params, state, tokens, mask, np.array([s == 0]))
+        if waiting:
+            keep(*waiting)
+        waiting = (s, pairs) if s >= first else None
         if progress:
             progress(s + 1, segments)
+    if waiting:
+        keep(*waiting)
     arrays = {"keys": keys, "values": values, "valid": valid, **slot}
     return arrays, kept * T % slots, first * T
 

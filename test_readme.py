@@ -139,8 +139,8 @@ def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
     assert check_command("sample.py RUN --prompt TEXT | --prompt-file F [--tokens N]") is None
     assert "--memory-sizes" in check_command("train.py --memory-sizes 64")
     assert "--mem" in check_command("train.py --mem 64")  # an abbreviation that argparse would take
-    assert "--csv" in check_command(
-        "evaluate.py perplexity RUN --csv F"
+    assert "--plot" in check_command(
+        "evaluate.py perplexity RUN --plot F"
     )  # compare's flag, not perplexity's
     assert "'perplexty'" in check_command("evaluate.py perplexty RUN")
     assert "refuses" in check_command("train.py --preset huge")
