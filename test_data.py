@@ -437,6 +437,17 @@ def test_a_corpus_link_to_a_directory_or_to_a_file_outside_is_skipped_and_counte
         assert stats["link"] == 2, (fmt, stats)
 
 
+def test_a_code_trees_file_past_its_bound_is_skipped_as_too_large_not_read(tmp_path, monkeypatch):
+    """memorize.py and --score read a tree's files up to TREE_FILE_LIMIT (here 1 KiB): a larger
+    one, a minified line say, is counted as too large and never read whole."""
+    monkeypatch.setattr(corpora, "TREE_FILE_LIMIT", 1024)
+    write(str(tmp_path / "a.py"), "x = 1\n")
+    write(str(tmp_path / "b.py"), "y" * 5000)  # one line
+    stats = {}
+    assert corpora.read_tree(str(tmp_path), stats=stats) == [("a.py", "x = 1\n")]
+    assert stats["too_large"] == 1
+
+
 def test_synthetic_halves_bind_in_the_first_half_every_name_the_second_uses(tmp_path):
     """The demo of memorized bindings: no two documents share a name, and each uses half
     references only names its bindings half defines, with the same value."""
