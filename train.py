@@ -167,6 +167,7 @@ def train_run(args, given):
         params, opt_state, state, place = multihost.distribute(run.params, run.opt_state, run.state)
         train_step = make_train_step(evaluation.step_config(config))
         print(describe(run, params), flush=True)
+        note_repeats(run)
         runs.note_unused_pieces(run.tok_path, config.vocab_size)
         with cli.interrupt_flag() as stop, Books(run, args, t_start) as books:
             while step < config.steps:
@@ -325,6 +326,20 @@ def describe(run, params):
         f"{jax.devices()[0].platform} x{jax.device_count()}{processes}, memory "
         f"{c.memory_size} in layers {list(c.active_memory_layers)}"
     )
+
+
+def note_repeats(run):
+    """Say so at the start when the run will read its training tokens more than once, and
+    how many times: a regime of its own (the training loss is then of text seen before)."""
+    c, tokens = run.config, sum(map(len, run.train_docs))
+    times = c.steps * c.batch_size * c.segment_length / max(tokens, 1)
+    if times > 1:
+        print(
+            f"note: {c.steps} steps of {c.batch_size} x {c.segment_length} tokens read the "
+            f"{tokens / 1e6:.2f}M training tokens {times:.1f} times: from the second time on, the "
+            "training loss is of text seen before (the held-out loss tells how much it learned).",
+            flush=True,
+        )
 
 
 def main(argv=None):
