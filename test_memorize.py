@@ -175,6 +175,23 @@ def test_a_file_of_another_run_version_or_kind_is_refused(tmp_path, small_file):
             memory_file.read(str(path), config, phash, "tok")
 
 
+@pytest.mark.parametrize("position", [-4, 2, 8, 10**6])  # below 0, off T, at M, far past M
+def test_a_file_whose_write_position_is_off_the_ring_is_refused(tmp_path, small_file, position):
+    """A well-formed, checksummed file whose header puts the next write outside [0, M) or off
+    a multiple of T: loading it would let dynamic_update_slice clamp writes onto wrong slots."""
+    config, phash, raw = small_file
+    path = str(tmp_path / "m.mem")
+    (tmp_path / "good.mem").write_bytes(raw)
+    memory = memory_file.read(str(tmp_path / "good.mem"), config, phash, "tok")
+    header = {k: v for k, v in memory.header.items() if k not in ("arrays", "data_start")}
+    arrays = {k: np.asarray(v) for k, v in memory.arrays.items()}
+    memory_file.write(path, header, arrays)  # rewritten as it was: taken
+    memory_file.read(path, config, phash, "tok")
+    memory_file.write(path, dict(header, position=position), arrays)
+    with pytest.raises(cli.UsageError, match="write position"):
+        memory_file.read(path, config, phash, "tok")
+
+
 def brute_memorized(doc, held, position, size, T, n=3):
     """The memorized band by simulation: the ring's slots, overwritten segment by segment."""
     ring = list(range(len(held))) + [None] * (size - len(held))  # slot -> memorized index
