@@ -559,13 +559,13 @@ def synthetic_halves(num_docs=4, seed=0, candidates=1000):
     raise ValueError(f"seed {seed} gives fewer than {num_docs} documents with no name shared.")
 
 
-def write_synthetic_halves(out, num_docs=4, seed=0):
+def write_synthetic_halves(out, num_docs=4, seed=0, candidates=1000):
     """synthetic_halves as files: out/bindings/bind_N.txt and out/uses/use_N.txt (out must
     not exist)."""
     os.makedirs(out)
     for half in ("bindings", "uses"):
         os.makedirs(os.path.join(out, half))
-    for i, pair in enumerate(synthetic_halves(num_docs, seed)):
+    for i, pair in enumerate(synthetic_halves(num_docs, seed, candidates)):
         for half, text in zip(("bindings/bind", "uses/use"), pair):
             with open(os.path.join(out, f"{half}_{i}.txt"), "w", encoding="utf-8") as f:
                 f.write(text)

@@ -451,7 +451,7 @@ def test_a_code_trees_file_past_its_bound_is_skipped_as_too_large_not_read(tmp_p
 def test_synthetic_halves_bind_in_the_first_half_every_name_the_second_uses(tmp_path):
     """The demo of memorized bindings: no two documents share a name, and each uses half
     references only names its bindings half defines, with the same value."""
-    corpora.write_synthetic_halves(str(tmp_path / "h"), num_docs=3, seed=1)
+    corpora.write_synthetic_halves(str(tmp_path / "h"), num_docs=3, seed=1, candidates=100)
     seen = set()
     for i in range(3):
         bound, used = ({}, {})
