@@ -552,7 +552,8 @@ def synthetic_halves(num_docs=4, seed=0, candidates=1000):
             continue
         taken |= set(names)
         last = max(names.index(n) for n in set(names))  # the last first line, among names
-        cut = [i for i, line in enumerate(lines) if line.split()[0] in SYNTHETIC_NAMES][last]
+        binding = [i for i, line in enumerate(lines) if line.split()[0] in SYNTHETIC_NAMES]
+        cut = binding[last]  # the line of the last name's first binding
         halves.append(("".join(lines[: cut + 1]), "".join(lines[cut + 1 :])))
         if len(halves) == num_docs:
             return halves

@@ -403,7 +403,8 @@ class Sources:
 
     def __init__(self, sp, config, doc, memory=None, start=None):
         self.sp, self.config, self.doc = sp, config, doc
-        self.start = 0 if start is None else int(start.mem_pos[0])  # where the doc's writes begin
+        # where the document's own writes begin: a loaded memory's position, else slot 0
+        self.start = 0 if start is None else int(start.mem_pos[0])
         self.memory = memory.arrays if memory else None
         self.files = memory.header["files"] if memory else []
 
@@ -420,7 +421,8 @@ class Sources:
         same = near[(a["file"][around] == a["file"][slot]) & a["valid"][around]]
         where = f"{self.files[int(a['file'][slot])]}:{int(a['line'][slot])}"
         tokens = np.asarray(a["token"])
-        return (where, int(tokens[slot]), tokens[same[same < slot]], tokens[same[same > slot]])
+        before, after = tokens[same[same < slot]], tokens[same[same > slot]]  # [n], [n]
+        return where, int(tokens[slot]), before, after
 
     def describe(self, slot, segment, width=60):
         """inspect's words for a retrieved slot: (source, piece, context)."""

@@ -143,7 +143,8 @@ def memorize(params, config, source, slots, dtype, progress=None):
     def keep(s, pairs):  # segment s's pairs into its slots (s >= first)
         n, at = min(T, N - s * T), (s - first) * T
         pairs = np.asarray(pairs)  # [2, Lm, H, T, D]
-        keys[:, :, at : at + n], values[:, :, at : at + n] = pairs[0, :, :, :n], pairs[1, :, :, :n]
+        keys[:, :, at : at + n] = pairs[0, :, :, :n]  # [Lm, H, n, D]
+        values[:, :, at : at + n] = pairs[1, :, :, :n]  # [Lm, H, n, D]
         valid[at : at + n] = True
         for name, column in slot.items():
             column[at : at + n] = origin[name][s * T : s * T + n]
