@@ -413,8 +413,8 @@ class Sources:
         return slot_position(slot, segment, self.config, self.start)
 
     def memorized(self, slot):
-        """A loaded memory's slot: (its file:line, its token's piece, the tokens of its file
-        in the slots around it: before [n], after [n])."""
+        """A loaded memory's slot: (its file:line, its token id, the tokens of its file in
+        the slots around it: before [n], after [n])."""
         a = self.memory
         around = slice(max(slot - 40, 0), slot + 11)
         near = np.arange(len(a["token"]))[around]  # [n]
