@@ -13,6 +13,7 @@ import io
 import os
 import re
 import shlex
+import subprocess
 
 import pytest
 
@@ -222,3 +223,30 @@ def test_no_module_imports_itself_through_others():
 
     circles = [c for c in (circle([name]) for name in sorted(modules)) if c]
     assert not circles, " -> ".join(circles[0])
+
+
+def test_the_memorized_bindings_example_runs_as_the_readme_writes_it(
+    finished_run, tmp_path, monkeypatch, capsys
+):
+    """The commands of "The mechanism, on the synthetic task", line by line, in a fresh
+    directory, on the command-line tests' finished synthetic run in place of
+    runs/synthetic/memory (its 2 steps answer nothing: the commands are what is checked)."""
+    from test_cli import SCRIPTS
+
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = re.search(r"```\n(python -c .*?write_synthetic_halves.*?)```", text, re.S).group(1)
+    (tmp_path / "runs" / "synthetic").mkdir(parents=True)
+    os.symlink(finished_run, tmp_path / "runs" / "synthetic" / "memory")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(HERE)
+    for line in block.splitlines():
+        words = shlex.split(line)
+        if words[:2] == ["python", "-c"]:
+            exec(words[2], {})
+        elif words[0] == "python":
+            assert SCRIPTS[words[1][:-3]](words[2:]) == 0, (line, capsys.readouterr())
+        else:  # a shell line
+            assert subprocess.run(["bash", "-c", line]).returncode == 0, line
+    out = capsys.readouterr().out
+    assert "memorized tokens: loss" in out and os.path.getsize("halves.csv") > 0, out
