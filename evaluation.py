@@ -141,7 +141,7 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
     bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
     total, count, full, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, 0, [], [], [], []
     batches = data.SegmentBatches(docs, rows, config.segment_length, epochs=1)
-    mem_ce, each = [], [np.zeros(len(d) - 1) for d in docs]
+    mem_ce, each = [], [np.zeros(len(d) - 1) for d in docs] if per_token else None
     for i, batch in enumerate(batches):
         inputs = model_inputs(batch)
         if start is not None and batch["reset"].any():
@@ -159,7 +159,8 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
             full += n if off >= config.memory_size else 0  # the memory holds tokens [0, off)
             band_ce.append(ce[b, :n])
             band_of.append(bands[d][off : off + n])
-            each[d][off : off + n] = ce[b, :n]
+            if per_token:
+                each[d][off : off + n] = ce[b, :n]
             if memorized is not None:
                 mem_ce.append(ce[b, :n][memorized[d][off : off + n]])
             if distances is not None:
