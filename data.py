@@ -470,6 +470,8 @@ def reach(distance, window, memory_size):
 
 
 REPEAT_BANDS = ("near_repeat", "far_repeat", "new")  # what evaluation reports, by reach
+SPAN = 16  # far_span's context: about a line of code, which an idiom rarely fills
+BANDS = REPEAT_BANDS + ("far_span",)  # far_span: a part of far_repeat (span_band)
 
 
 def repeat_bands(doc, window, memory_size, n=3):
@@ -479,6 +481,14 @@ def repeat_bands(doc, window, memory_size, n=3):
     but within the memory (what only the memory can reach), new never, beyond farther."""
     names = {"window": "near_repeat", "memory": "far_repeat", "new": "new", "beyond": "beyond"}
     return np.array([names[reach(int(d), window, memory_size)] for d in context_distance(doc, n)])
+
+
+def span_band(doc, window, memory_size, n=SPAN):
+    """far_span: the far_repeat targets whose n-token context also last occurred beyond the
+    window and within the memory. A 3-token context on code is often an idiom (`self.`,
+    `return`) that recurs everywhere; a whole line repeated verbatim is what retrieval copies."""
+    far = repeat_bands(doc, window, memory_size) == "far_repeat"  # [len(doc) - 1]
+    return far & (repeat_bands(doc, window, memory_size, n) == "far_repeat")
 
 
 def reference_distances(tokens, is_reference):

@@ -197,7 +197,7 @@ def cmd_score(args):
         line += f"; empty memory {result['loss_empty']:.4f}"
     documents = corpora.plural(len(docs), "document")
     print(f"memory {M}: {line}, {documents}, {evaluation.scored(result)})")
-    for band in data.REPEAT_BANDS + ("memorized",):
+    for band in data.BANDS + ("memorized",):
         if f"{band}_loss" in result:
             empty = result.get(f"{band}_loss_empty")
             print(f"{band.replace('_', '-')} tokens: loss {result[f'{band}_loss']:.4f} over "
@@ -262,7 +262,7 @@ def cmd_perplexity(args):
     print(f"memory {config.memory_size}{', exact top-k' if config.exact_topk else ''}: {line}")
     # the loss in each band of data.repeat_bands, then on the synthetic data's references
     bands = [
-        (f"{b.replace('_', '-')} tokens", f"{b}_loss", f"{b}_tokens") for b in data.REPEAT_BANDS
+        (f"{b.replace('_', '-')} tokens", f"{b}_loss", f"{b}_tokens") for b in data.BANDS
     ]
     bands += [("reference tokens (all)", "reference_loss", "reference_tokens")]
     for b in evaluation.DISTANCE_BANDS:

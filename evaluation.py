@@ -124,8 +124,8 @@ def memorized_band(doc, held, position, size, T, n=3):
 def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, band_memory=None,
              start=None, memorized=None, per_token=False):
     """Token-level validation loss, each document from its start with a fresh memory,
-    and the loss in each of data.REPEAT_BANDS (far_repeat_loss, far_repeat_tokens,
-    ...), by the reach of a memory of band_memory slots (default: the config's).
+    and the loss in each of data.BANDS (far_repeat_loss, far_repeat_tokens, ...,
+    far_span_loss), by the reach of a memory of band_memory slots (default: the config's).
     start: a loaded memory's one-row state (memory_file.start_state), which each document
     starts from, one row at a time; memorized: per document, memorized_band's mask, whose
     loss and count become memorized_loss and memorized_tokens. per_token: the result's
@@ -139,7 +139,9 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
     window = config.segment_length + config.cache_length
     memory = config.memory_size if band_memory is None else band_memory
     bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
+    spans = [data.span_band(doc, window, memory) for doc in docs]  # per target, far_span or not
     total, count, full, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, 0, [], [], [], []
+    span_of = []
     batches = data.SegmentBatches(docs, rows, config.segment_length, epochs=1)
     mem_ce, each = [], [np.zeros(len(d) - 1) for d in docs] if per_token else None
     for i, batch in enumerate(batches):
@@ -159,6 +161,7 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
             full += n if off >= config.memory_size else 0  # the memory holds tokens [0, off)
             band_ce.append(ce[b, :n])
             band_of.append(bands[d][off : off + n])
+            span_of.append(spans[d][off : off + n])
             if per_token:
                 each[d][off : off + n] = ce[b, :n]
             if memorized is not None:
@@ -176,6 +179,10 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
             if np.any(band == name):
                 result[f"{name}_loss"] = float(ce[band == name].mean())
             result[f"{name}_tokens"] = int(np.sum(band == name))
+        span = np.concatenate(span_of)
+        if span.any():
+            result["far_span_loss"] = float(ce[span].mean())
+        result["far_span_tokens"] = int(span.sum())
     if memorized is not None:
         ce = np.concatenate(mem_ce)
         result.update(memorized_loss=float(ce.mean()) if ce.size else float("nan"),
@@ -214,7 +221,7 @@ def format_eval(step, r):
     with the memory off beside it."""
     off = f" (memory off {r['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in r else ""
     line = f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}"
-    parts = [("far-repeat", "far_repeat_loss")]
+    parts = [("far-repeat", "far_repeat_loss"), ("far-span", "far_span_loss")]
     parts += [(f"ref {b}", f"reference_loss_{b}") for b in DISTANCE_BANDS]
     for label, key in parts:
         if key in r:
@@ -239,7 +246,7 @@ def eval_record(step, r):
         **{
             k: v
             for k, v in r.items()
-            if k.startswith(("reference_loss", "perplexity_memory_off", *data.REPEAT_BANDS))
+            if k.startswith(("reference_loss", "perplexity_memory_off", *data.BANDS))
         },
     }
 

@@ -967,6 +967,28 @@ def test_repeat_bands_equal_a_brute_force_reading_of_their_definition(doc, windo
         assert got[i - 1] == want, (i, back)
 
 
+@settings(deadline=None, max_examples=30, derandomize=True)
+@given(
+    doc=st.lists(st.integers(0, 1), min_size=1, max_size=120),
+    window=st.integers(1, 20),
+    memory=st.integers(0, 40),
+    n=st.integers(4, 6),
+)
+def test_span_band_is_far_repeat_with_a_whole_long_context_last_seen_in_the_memory(
+    doc, window, memory, n
+):
+    """far_span: a far_repeat target whose n-token context (ending at it) was last seen more than
+    `window` and at most window + memory tokens back."""
+    got = data.span_band(np.asarray(doc), window, memory, n)
+    far = data.repeat_bands(np.asarray(doc), window, memory) == "far_repeat"
+    for i in range(1, len(doc)):
+        context = doc[i - n + 1 : i + 1] if i >= n - 1 else None
+        seen = [j for j in range(n - 1, i) if doc[j - n + 1 : j + 1] == context]
+        last = i - max(seen) if seen else 0
+        want = far[i - 1] and window < last <= window + memory
+        assert got[i - 1] == want, (i, last)
+
+
 def test_every_evaluation_reports_each_bands_loss_with_the_memory_off_beside_it(run_dir, tmp_path):
     """eval.json and evaluate.py perplexity carry far_repeat_loss, its _memory_off and _tokens,
     and the same for near_repeat and new: the mean per-token loss of the band's targets."""
@@ -990,6 +1012,11 @@ def test_every_evaluation_reports_each_bands_loss_with_the_memory_off_beside_it(
             assert r[f"{b}_loss"] == pytest.approx(losses[band == b].mean(), rel=1e-5)
             assert r[f"{b}_loss_memory_off"] == pytest.approx(off[band == b].mean(), rel=1e-5)
     assert r["far_repeat_tokens"] > 0 and r["near_repeat_tokens"] > 0
+    span = data.span_band(doc, window, config.memory_size)
+    assert r["far_span_tokens"] == int(span.sum()) and span.sum() <= r["far_repeat_tokens"]
+    if span.any():
+        assert r["far_span_loss"] == pytest.approx(losses[span].mean(), rel=1e-5)
+        assert r["far_span_loss_memory_off"] == pytest.approx(off[span].mean(), rel=1e-5)
     # With no memory, --band-memory scores the same tokens' bands: what local attention alone does
     # on the memory's far-repeat tokens.
     assert evaluate.main(argv + ["--memory-size", "0", "--band-memory", "64"]) == 0
