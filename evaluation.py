@@ -221,7 +221,7 @@ def format_eval(step, r):
     with the memory off beside it."""
     off = f" (memory off {r['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in r else ""
     line = f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}"
-    parts = [("far-repeat", "far_repeat_loss"), ("far-span", "far_span_loss")]
+    parts = [("far-repeat", "far_repeat_loss")]
     parts += [(f"ref {b}", f"reference_loss_{b}") for b in DISTANCE_BANDS]
     for label, key in parts:
         if key in r:
