@@ -155,7 +155,7 @@ def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
 
 def test_the_reading_path_stays_plain():
     """The model file is the paper in plain jax.numpy, in at most 520 lines with no docstring over
-    6; the faster forms live in kernels.py. train.py is at most 500 lines, the README at most 480,
+    6; the faster forms live in kernels.py. train.py is at most 500 lines, the README at most 520,
     conftest.py at most 80; startup.py alone manages the C heap."""
 
     def read(name):
@@ -165,7 +165,7 @@ def test_the_reading_path_stays_plain():
     model = read("memorizing_transformer.py")
     assert model.count("\n") <= 520
     assert read("train.py").count("\n") <= 500
-    assert read("README.md").count("\n") <= 480
+    assert read("README.md").count("\n") <= 520
     assert read("conftest.py").count("\n") <= 80
     assert not re.findall(r"custom_vjp|default_backend|bitcast", model)
     long = [
