@@ -483,11 +483,13 @@ def repeat_bands(doc, window, memory_size, n=3):
     return np.array([names[reach(int(d), window, memory_size)] for d in context_distance(doc, n)])
 
 
-def span_band(doc, window, memory_size, n=SPAN):
+def span_band(doc, window, memory_size, n=SPAN, bands=None):
     """far_span: the far_repeat targets whose n-token context also last occurred beyond the
     window and within the memory. A 3-token context on code is often an idiom (`self.`,
-    `return`) that recurs everywhere; a whole line repeated verbatim is what retrieval copies."""
-    far = repeat_bands(doc, window, memory_size) == "far_repeat"  # [len(doc) - 1]
+    `return`) that recurs everywhere; a whole line repeated verbatim is what retrieval copies.
+    bands: the document's repeat_bands, where the caller has them."""
+    bands = repeat_bands(doc, window, memory_size) if bands is None else bands
+    far = bands == "far_repeat"  # [len(doc) - 1]
     return far & (repeat_bands(doc, window, memory_size, n) == "far_repeat")
 
 

@@ -139,7 +139,7 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
     window = config.segment_length + config.cache_length
     memory = config.memory_size if band_memory is None else band_memory
     bands = [data.repeat_bands(doc, window, memory) for doc in docs]  # per target
-    spans = [data.span_band(doc, window, memory) for doc in docs]  # per target, far_span or not
+    spans = [data.span_band(d, window, memory, bands=b) for d, b in zip(docs, bands)]  # per target
     total, count, full, ref_ce, ref_dist, band_ce, band_of = 0.0, 0, 0, [], [], [], []
     span_of = []
     batches = data.SegmentBatches(docs, rows, config.segment_length, epochs=1)
