@@ -72,6 +72,13 @@ def fraction(text):
     return value
 
 
+def rate(text):
+    value = finite_float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
+    return value
+
+
 def path_arg(text):
     """A path, but not the empty string (an unset shell variable would pass as the default)."""
     if not text:
@@ -245,6 +252,13 @@ FLAGS = [
         """how the kNN and the local results mix: gate (Eqs. 1-2, the paper's), add
         (their sum, the gateless form of Sec. 4.6's study), joint (one softmax over the
         retrieved and the local pairs)""",
+    ),
+    Flag(
+        "--dropout",
+        CONFIG,
+        None,
+        """in training, the rate at which each block's output (attention, FFN) is zeroed
+        before the residual sum (0 = none, as the paper names none)""",
     ),
     Flag(
         "--seed",
@@ -609,6 +623,8 @@ def config_type(field):
         return int_at_least(0, 2**32 - 1)
     if field.name == "topk_recall_target":
         return fraction
+    if field.name == "dropout":
+        return rate
     if field.type is float:
         return finite_float
     return positive_int if field.name in presets.POSITIVE_FIELDS else count

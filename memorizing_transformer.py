@@ -41,6 +41,7 @@ class Config:
     init_prev_token_bias: float = 0.0  # T5 bias at distance 1 in half of layer 0's heads
     init_gate_bias: float = 0.0  # Eq. (1)'s gate starts at sigmoid(0) = 0.5, as in the paper
     memory_combine: str = "gate"  # how the two results mix: "gate" (Eq. 2), "add" or "joint"
+    dropout: float = 0.0  # training only: the rate at which each block's output is zeroed
 
     def __post_init__(self):
         object.__setattr__(self, "memory_layers", tuple(self.memory_layers))  # JSON gives a list
@@ -100,6 +101,7 @@ def check_config(c):
           f"{c.head_dim}) must equal d_model ({c.d_model}).")
     check(0 < c.topk_recall_target < 1, "topk_recall_target must be in (0, 1), got "
           f"{c.topk_recall_target}.")
+    check(0 <= c.dropout < 1, f"dropout must be in [0, 1), got {c.dropout}.")
 
 
 def check(ok, message):
@@ -405,10 +407,18 @@ class Ops(NamedTuple):
 PLAIN = Ops(local_attention, memory_search, attend_to_retrieved, clear_rows)
 
 
-def forward(params, state, tokens, reset, config, mask=None, return_retrievals=False, ops=PLAIN):
+def dropout(x, rate, rng):
+    """Each element zeroed at `rate`, the others scaled by 1 / (1 - rate): the same mean."""
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)  # x's shape, bool
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+
+
+def forward(params, state, tokens, reset, config, mask=None, return_retrievals=False, ops=PLAIN,
+            rng=None):
     """One segment of every row: tokens int [B, T] (the caller checks their range); reset bool
     [B] (the row starts a document); mask bool [B, T], False on padding, which never enters the
-    memory or the cache as valid. Returns (logits [B, T, V] float32, new state), and with
+    memory or the cache as valid; rng, in training, drops each block's output at config.dropout
+    (None: nothing dropped). Returns (logits [B, T, V] float32, new state), and with
     return_retrievals also a list, per memory layer, of {"slots", "weights"} [B, H, T, K]."""
     c, dt = config, config.dtype
     (B, T), E, H, D = tokens.shape, c.d_model, c.num_heads, c.head_dim
@@ -425,6 +435,8 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     def heads(y):  # [N, H * D] -> [B, H, T, D]
         return jnp.swapaxes(y.reshape(B, T, H, D), 1, 2)
 
+    drop = rng is not None and c.dropout > 0
+    drop_keys = jax.random.split(rng, 2 * c.num_layers) if drop else None  # a block's output each
     # The residual stream as a matrix, a row a token: each weight's gradient is one plain matmul.
     x = params["embed"][tokens.reshape(B * T)].astype(dt)  # [N, E]
     new_k, new_v, retrievals = [], [], []
@@ -453,11 +465,16 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
                 lse = (masked_logsumexp(retrieved, found.valid), masked_logsumexp(*local))
             out = combine(out, found, p["gate_bias"], c, lse).astype(dt)
             retrievals.append({"slots": found.slots, "weights": found.weights})
-        attn = jnp.einsum("bhtd,hde->bte", out, p["wo"].astype(dt))  # [B, T, E]
-        x = x + attn.reshape(B * T, E)  # [N, E]
+        attn = jnp.einsum("bhtd,hde->bte", out, p["wo"].astype(dt)).reshape(B * T, E)  # [N, E]
+        if drop:
+            attn = dropout(attn, c.dropout, drop_keys[2 * i])
+        x = x + attn  # [N, E]
         h = rms_norm(x, p["ffn_norm"])  # [N, E]
         h = jax.nn.gelu(h @ p["w1"].astype(dt))  # [N, F]
-        x = x + h @ p["w2"].astype(dt)  # [N, E]
+        ffn = h @ p["w2"].astype(dt)  # [N, E]
+        if drop:
+            ffn = dropout(ffn, c.dropout, drop_keys[2 * i + 1])
+        x = x + ffn  # [N, E]
         new_k.append(jax.lax.stop_gradient(k))
         new_v.append(jax.lax.stop_gradient(v))
 

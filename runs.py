@@ -230,7 +230,7 @@ def read_json(path):
 # ----------------------------------------------------------------------------- run directories
 # Config fields that runs written by the first versions lack: read with the default,
 # which is what those versions did.
-ADDED_SINCE = ("attention", "init_prev_token_bias", "init_gate_bias")
+ADDED_SINCE = ("attention", "init_prev_token_bias", "init_gate_bias", "dropout")
 
 
 def json_type(field, value):

@@ -121,7 +121,7 @@ def reference_memory(dots, mask, config):
     return chosen
 
 
-def reference_forward(params, tokens, config, gate=None, mask=None):
+def reference_forward(params, tokens, config, gate=None, mask=None, kept=None):
     """The whole document in one pass, numpy float64.
 
     Local attention: a banded causal mask (itself and the previous T tokens) with the XL
@@ -129,6 +129,7 @@ def reference_forward(params, tokens, config, gate=None, mask=None):
     Memory layers: dense softmax over the keys the memory holds (reference_memory), no position
     bias, mixed by the gate; `gate` 'memory' / 'local' forces g = 1 / g = 0. A query with no
     key in the memory keeps the local result. Padded positions' logits are not defined.
+    kept: dropout's multipliers of each block's output, [B, N, E] a block, in the model's order.
     """
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     T, N = config.segment_length, tokens.shape[1]
@@ -170,8 +171,9 @@ def reference_forward(params, tokens, config, gate=None, mask=None):
                 )
                 g = g[None, None, :, None] * has  # [B, N, H, 1]
                 out = mem * g + out * (1 - g)
-        x = x + np.einsum("bthd,hde->bte", out, lp["wo"])
-        x = x + np_gelu(np_rms_norm(x, lp["ffn_norm"]) @ lp["w1"]) @ lp["w2"]
+        keep_attn, keep_ffn = (1.0, 1.0) if kept is None else kept[2 * layer : 2 * layer + 2]
+        x = x + np.einsum("bthd,hde->bte", out, lp["wo"]) * keep_attn
+        x = x + np_gelu(np_rms_norm(x, lp["ffn_norm"]) @ lp["w1"]) @ lp["w2"] * keep_ffn
     return np_rms_norm(x, p["final_norm"]) @ p["w_out"]
 
 
@@ -826,6 +828,63 @@ def test_memory_off_ablation_equals_local_only_reference(params, combine):
     np.testing.assert_allclose(got, local, atol=2e-4, rtol=2e-4)
 
 
+def test_dropout_zeroes_elements_at_its_rate_and_scales_the_others_to_keep_the_mean():
+    x = np.random.default_rng(0).standard_normal((200, 500)).astype(np.float32)
+    rate, n = 0.25, x.size
+    out = np.asarray(jax.jit(mt.dropout, static_argnums=1)(x, rate, jax.random.PRNGKey(3)))
+    zeroed = out == 0
+    np.testing.assert_allclose(out[~zeroed], x[~zeroed] / np.float32(1 - rate), rtol=1e-6)
+    assert abs(zeroed.sum() - rate * n) < 5 * math.sqrt(n * rate * (1 - rate))  # 5 sigma
+    other = np.asarray(mt.dropout(x, rate, jax.random.PRNGKey(4))) == 0
+    assert 0.1 < np.mean(zeroed != other) < 0.5  # another key, another mask (2 r (1 - r) apart)
+
+
+@OPS
+def test_dropout_drops_each_blocks_output_as_a_reference_that_multiplies_it_by_its_mask(ops):
+    """One segment of a memory model (its memory empty, so the memory layer is local): with an
+    rng, each block's output times 0 or 1 / (1 - rate), the masks from split(rng, 2 L) in the
+    order attention, FFN of layer 0, then layer 1; without one, or at rate 0, nothing dropped."""
+    cfg = SMALL.replace(dropout=0.3)
+    params = randomize(mt.init_params(cfg, jax.random.PRNGKey(5)), 5)
+    B, T, E = 2, cfg.segment_length, cfg.d_model
+    tokens = random_tokens(1, cfg, B, 1)
+    rng = jax.random.PRNGKey(9)
+    state, reset = mt.init_state(cfg, B), jnp.ones(B, bool)
+    dropped, _ = forward(params, state, tokens, reset, cfg, ops=ops, rng=rng)
+    keys = jax.random.split(rng, 2 * cfg.num_layers)
+    kept = [np.asarray(jax.random.bernoulli(k, 0.7, (B * T, E))).reshape(B, T, E) / 0.7
+            for k in keys]
+    want = reference_forward(params, np.asarray(tokens), cfg, kept=kept)
+    np.testing.assert_allclose(dropped, want, atol=2e-4, rtol=2e-4)
+    plain = reference_forward(params, np.asarray(tokens), cfg)
+    assert np.abs(want - plain).max() > 0.1  # the masks matter
+    for c, r in ((cfg, None), (cfg.replace(dropout=0.0), rng)):
+        got, _ = forward(params, state, tokens, reset, c, ops=ops, rng=r)
+        np.testing.assert_allclose(got, plain, atol=2e-4, rtol=2e-4)
+
+
+def test_the_train_steps_dropout_draws_from_its_seed_and_step_count():
+    """Dropout's masks are a function of (seed, the optimizer's step count): a step taken
+    again from the same checkpoint draws the same masks (exact resume), another seed others;
+    at rate 0 the seed changes nothing."""
+    import train
+
+    tokens = random_tokens(2, SMALL, SMALL.batch_size, 1)
+    batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, 1),
+             "mask": jnp.ones(tokens.shape, bool), "reset": jnp.ones(SMALL.batch_size, bool)}
+
+    def loss(config, seed):
+        params = mt.init_params(config, jax.random.PRNGKey(0))
+        opt_state = optimizer.make_optimizer(config)[0](params)
+        state = mt.init_state(config, config.batch_size)
+        step = train.make_train_step(evaluation.step_config(config))
+        return float(step(params, opt_state, state, batch, seed)[3]["loss"])
+
+    drop = SMALL.replace(dropout=0.5)
+    assert loss(drop, 1) == loss(drop, 1) != loss(drop, 2)
+    assert loss(SMALL, 1) == loss(SMALL, 2) != loss(drop, 1)
+
+
 def test_return_retrievals_gives_valid_slots_of_the_current_document(params):
     cfg = SMALL
     state = mt.init_state(cfg, 2)
@@ -855,6 +914,8 @@ def test_return_retrievals_gives_valid_slots_of_the_current_document(params):
         ({"memory_size": -8}, "memory_size"),
         ({"dtype": "float16"}, "dtype"),
         ({"max_distance": 16}, "max_distance"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"dropout": -0.1}, "dropout"),
     ],
 )
 def test_config_rejects_bad_fields_with_a_clear_sentence(changes, field):

@@ -43,7 +43,7 @@ TRAINING = ["--steps", "--batch-size", "--grad-accum", "--segment-length", "--me
 TRAINING += ["--num-neighbors", "--lr", "--init-prev-token-bias", "--init-gate-bias"]
 TRAINING += ["--warmup-steps", "--memory-layers", "--xl-cache", "--num-buckets", "--max-distance"]
 TRAINING += ["--exact-topk", "--topk-recall-target", "--dtype", "--memory-dtype"]
-TRAINING += ["--memory-combine", "--memory-chunk", "--attention", "--seed"]
+TRAINING += ["--memory-combine", "--dropout", "--memory-chunk", "--attention", "--seed"]
 RUN = ["--out", "--resume", "--init-from", "--fresh-start", "--log-every", "--eval-every"]
 RUN += ["--save-every", "--eval-docs", "--eval-tokens", "--curve-tokens", "--valid-fraction"]
 RUN += ["--tokenizer", "--cache-dir"]
@@ -76,23 +76,25 @@ def make_train_step(config, ops=None):
     the params. With grad_accum > 1 the rows are split into micro-batches (each with
     its own memories) and the gradients summed over all tokens before one update. The
     buffers are donated, so the memory is updated in place. ops: kernels.fast with the
-    config's knobs, unless given."""
+    config's knobs, unless given. The step's dropout draws from its seed and the step count."""
     ops = ops or kernels.fast(config.memory_chunk, config.attention)
     _, opt_update = optimizer.make_optimizer(config)
 
-    def summed_loss(params, state, batch):
+    def summed_loss(params, state, batch, rng):
         logits, new_state = mt.forward(
-            params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"], ops=ops
+            params, state, batch["tokens"], batch["reset"], config, mask=batch["mask"], ops=ops,
+            rng=rng,
         )
         m = batch["mask"].astype(jnp.float32)
         return jnp.sum(mt.cross_entropy(logits, batch["targets"]) * m), (new_state, jnp.sum(m))
 
     grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
 
-    def step(params, opt_state, state, batch):
+    def step(params, opt_state, state, batch, seed=0):
         A = config.grad_accum
+        rng = jax.random.fold_in(jax.random.PRNGKey(seed), opt_state["count"])  # dropout's
         if A == 1:
-            (total, (state, n)), grads = grad_fn(params, state, batch)
+            (total, (state, n)), grads = grad_fn(params, state, batch, rng)
         else:
             # Micro-batch a takes the a-th A-th of every device's rows, so that no row,
             # and no memory, leaves its device: [B, ...] -> [devices, A, B/(devices A),
@@ -110,13 +112,12 @@ def make_train_step(config, ops=None):
                 return x.reshape((B,) + x.shape[3:])
 
             def micro(acc, xs):
-                (l, (s, n)), g = grad_fn(params, xs[0], xs[1])
+                (l, (s, n)), g = grad_fn(params, *xs)
                 return jax.tree.map(jnp.add, acc, (l, n, g)), s
 
             zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            (total, n, grads), states = jax.lax.scan(
-                micro, zeros, (jax.tree.map(split, state), jax.tree.map(split, batch))
-            )
+            xs = (jax.tree.map(split, state), jax.tree.map(split, batch), jax.random.split(rng, A))
+            (total, n, grads), states = jax.lax.scan(micro, zeros, xs)
             state = jax.tree.map(merge, states)
         n = jnp.maximum(n, 1.0)
         updates, opt_state = opt_update(jax.tree.map(lambda g: g / n, grads), opt_state, params)
@@ -172,7 +173,9 @@ def train_run(args, given):
         with cli.interrupt_flag() as stop, Books(run, args, t_start) as books:
             while step < config.steps:
                 batch = place(model_inputs(next(stream), config))
-                params, opt_state, state, metrics = train_step(params, opt_state, state, batch)
+                params, opt_state, state, metrics = train_step(
+                    params, opt_state, state, batch, config.seed
+                )
                 step += 1
                 metrics = multihost.gather(metrics)
                 if step == run.step + 1:  # compiled: the heap is full of the compiler's holes
