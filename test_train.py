@@ -1162,10 +1162,15 @@ def test_a_run_compiles_its_train_step_once():
 def test_a_run_that_reads_its_training_tokens_more_than_once_says_how_many_times(capsys):
     import types
 
-    run = lambda steps: types.SimpleNamespace(
-        config=presets.PRESETS["tiny"].replace(steps=steps), train_docs=[np.zeros(1000)] * 4096
+    run = lambda steps, dropout=0.0: types.SimpleNamespace(
+        config=presets.PRESETS["tiny"].replace(steps=steps, dropout=dropout),
+        train_docs=[np.zeros(1000)] * 4096,
     )  # 4.096M tokens; a step reads 8 x 128 of them
     train.note_repeats(run(10000))  # 10.24M tokens read: 2.5 times
-    assert "read the 4.10M training tokens 2.5 times" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "read the 4.10M training tokens 2.5 times" in out and "--dropout" in out
+    train.note_repeats(run(10000, dropout=0.1))  # it is already given: no advice
+    out = capsys.readouterr().out
+    assert "2.5 times" in out and "--dropout" not in out
     train.note_repeats(run(4000))  # 4.096M: once
     assert capsys.readouterr().out == ""
