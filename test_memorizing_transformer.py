@@ -879,7 +879,7 @@ def test_the_train_steps_dropout_draws_from_its_seed_and_step_count():
     def loss(config, seed, count=0):  # one step from the same start; its buffers are donated
         params = mt.init_params(config, jax.random.PRNGKey(0))
         opt_state = optimizer.make_optimizer(config)[0](params)
-        opt_state = dict(opt_state, count=opt_state["count"] + count)  # the loss precedes the update
+        opt_state = dict(opt_state, count=opt_state["count"] + count)  # read before the update
         state = mt.init_state(config, config.batch_size)
         return float(steps[config](params, opt_state, state, batch, seed)[3]["loss"])
 
