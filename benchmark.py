@@ -1008,7 +1008,7 @@ def benchmark(args):
             or 0
         )
     if args.json:
-        runs.check_output_file(args.json, "json", caches=[cli.cache_dir()])
+        runs.check_output(args.json, "--json", caches=[cli.cache_dir()])
     if args.profile:
         runs.check_writable_dir(args.profile, "--profile")
         os.makedirs(args.profile, exist_ok=True)

@@ -72,13 +72,6 @@ def fraction(text):
     return value
 
 
-def rate(text):
-    value = finite_float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
-    return value
-
-
 def path_arg(text):
     """A path, but not the empty string (an unset shell variable would pass as the default)."""
     if not text:
@@ -185,104 +178,6 @@ FLAGS = [
         count,
         0,
         "drop documents shorter than this (4096 gives the paper's C4(4K+))",
-    ),
-    # the fields of presets.RunConfig: the model's, training's, the kernels'
-    Flag("--vocab-size", CONFIG, None, "SentencePiece vocabulary size V"),
-    Flag("--d-model", CONFIG, None, "model width E (= num heads x head dim)"),
-    Flag("--num-layers", CONFIG, None, "transformer layers L"),
-    Flag("--num-heads", CONFIG, None, "attention heads H"),
-    Flag("--head-dim", CONFIG, None, "dimension D of each head"),
-    Flag("--d-ff", CONFIG, None, "hidden width F of the feed-forward blocks"),
-    Flag(
-        "--steps",
-        CONFIG,
-        None,
-        """training steps; with --resume, the step to train to; with --init-from, the
-        steps to add (unset: the run's config's count)""",
-    ),
-    Flag("--batch-size", CONFIG, None, "batch rows; each row streams documents in order"),
-    Flag("--grad-accum", CONFIG, None, "micro-batches per step (rows are split between them)"),
-    Flag("--segment-length", CONFIG, None, "tokens per segment T (also the XL cache length)"),
-    Flag("--memory-size", CONFIG, None, "memory slots M per row and head; 0 = no memory"),
-    Flag("--num-neighbors", CONFIG, None, "k retrieved memories per query"),
-    Flag("--lr", CONFIG, None, "base learning rate (1.0 in the paper)"),
-    Flag(
-        "--init-prev-token-bias",
-        CONFIG,
-        None,
-        """initial T5 bias at distance 1 in half of the first layer's heads (0 = none, as
-        in the paper; the synthetic preset uses 6)""",
-    ),
-    Flag(
-        "--init-gate-bias",
-        CONFIG,
-        None,
-        """initial bias of every memory layer's gate: g = sigmoid(bias) mixes memory and
-        local attention (0 = g 0.5, as in the paper; -2 = g 0.12)""",
-    ),
-    Flag("--warmup-steps", CONFIG, None, "linear warmup steps before square-root decay"),
-    Flag("--memory-layers", CONFIG, None, "comma-separated 0-based kNN layer indices, e.g. 8"),
-    Flag("--xl-cache", CONFIG, None, "Transformer-XL cache of the previous segment"),
-    Flag("--num-buckets", CONFIG, None, "buckets of the T5 relative position bias"),
-    Flag("--max-distance", CONFIG, None, "the T5 bias's farthest bucket begins at this distance"),
-    Flag("--exact-topk", CONFIG, None, "exact top-k instead of the binned approximate top-k"),
-    Flag(
-        "--topk-recall-target",
-        CONFIG,
-        None,
-        "expected recall that sets the number of bins of the approximate top-k (Sec. 3.3)",
-    ),
-    Flag(
-        "--dtype",
-        CONFIG,
-        None,
-        """activation and matmul precision (params, softmax statistics and the loss stay
-        float32)""",
-    ),
-    Flag(
-        "--memory-dtype",
-        CONFIG,
-        None,
-        "storage of the memory and XL cache (default: the same as --dtype)",
-    ),
-    Flag(
-        "--memory-combine",
-        CONFIG,
-        None,
-        """how the kNN and the local results mix: gate (Eqs. 1-2, the paper's), add
-        (their sum, the gateless form of Sec. 4.6's study), joint (one softmax over the
-        retrieved and the local pairs)""",
-    ),
-    Flag(
-        "--dropout",
-        CONFIG,
-        None,
-        """in training, the rate at which each block's output (attention, FFN) is zeroed
-        before the residual sum (0 = none, as the paper names none)""",
-    ),
-    Flag(
-        "--seed",
-        CONFIG,
-        None,
-        """seed for the initialization and the order in which batch rows take
-        training documents; the train/validation split and the traversal of
-        repositories are fixed (seed 0), so runs with different seeds are scored on
-        the same validation documents""",
-    ),
-    Flag(
-        "--memory-chunk",
-        CONFIG,
-        None,
-        "memory slots kernels.py scores at a time (the [T, M] scores exist a piece at a time)",
-    ),
-    Flag(
-        "--attention",
-        CONFIG,
-        None,
-        """local attention: explicit einsums and softmax, or fused
-        (jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with --dtype
-        bfloat16, JAX's own version of it elsewhere); the same math for the valid tokens
-        (fused takes padding only at a segment's end, which is all data.py makes)""",
     ),
     # ------------------------------------------------------------------------- a run's files
     Flag(
@@ -598,8 +493,6 @@ FLAGS = [
     Flag("--compile-only", SWITCH, False, "internal: compile --row's step"),
     Flag("--alternate", SWITCH, False, "internal: --rounds in this process"),
 ]
-BY_NAME = {f.name.split()[0]: f for f in FLAGS}
-assert len(BY_NAME) == len(FLAGS), "a flag is defined twice"
 
 
 # --cache-dir's default, wherever a script is run from: .cache beside the scripts
@@ -612,25 +505,36 @@ def cache_dir():
 
 
 def config_type(field):
-    """The argparse type of a RunConfig field's flag: its range from the field's checks."""
+    """The argparse type of a RunConfig field's flag: the text read as the field's type, then held
+    to the field's rule, whose sentence is the error."""
+    rule = field.metadata["rule"]
     if field.type is bool:
         return argparse.BooleanOptionalAction
-    if field.name == "memory_layers":
-        return layer_list
-    if field.name in presets.CHOICES:
-        return tuple(c for c in presets.CHOICES[field.name] if c is not None)
-    if field.name == "seed":
-        return int_at_least(0, 2**32 - 1)
-    if field.name == "topk_recall_target":
-        return fraction
-    if field.name == "dropout":
-        return rate
-    if field.type is float:
-        return finite_float
-    return positive_int if field.name in presets.POSITIVE_FIELDS else count
+    if rule.choices:
+        return tuple(c for c in rule.choices if c is not None)
+    read, kind = {int: (int, "an integer"), float: (float, "a number"),
+                  tuple: (layer_list, "layer indices")}[field.type]
+
+    def parse(text):
+        try:
+            value = read(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        problem = rule(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse
 
 
 CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(presets.RunConfig)}
+# Every field of RunConfig is a flag, its help the field's: a new field needs no row here.
+CONFIG_FLAGS = ["--" + name.replace("_", "-") for name in CONFIG_FIELDS]
+FLAGS += [Flag(flag, CONFIG, None, f.metadata["help"]) for flag, f in
+          zip(CONFIG_FLAGS, CONFIG_FIELDS.values())]
+BY_NAME = {f.name.split()[0]: f for f in FLAGS}
+assert len(BY_NAME) == len(FLAGS), "a flag is defined twice"
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -661,15 +565,16 @@ def parser(description, **kwargs):
     return Parser(description=description.split("\n\n")[0], **kwargs)
 
 
-def add(target, names, defaults=None, unset=None, required=False):
+def add(target, names, defaults=None, unset=None, required=False, helps=None):
     """Add the FLAGS rows `names` to a parser (or group, or subparser). defaults: {name:
     value}, a script's own default of a flag; unset: each of these flags defaults to
     None, which means `unset` ("the run's": the run's value), said in its help;
-    required: each must be given."""
+    required: each must be given; helps: {name: text}, a script's own help of a flag."""
     for name in names:
         row = BY_NAME[name]
         flag, *metavar = row.name.split()
-        kind, default, text = row.type, row.default, " ".join(row.help.split())
+        kind, default, text = row.type, row.default, (helps or {}).get(name, row.help)
+        text = " ".join(text.split())
         if flag == "--cache-dir":
             default = cache_dir()
         if defaults and name in defaults:

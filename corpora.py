@@ -234,8 +234,10 @@ def _walk_unit(root, rel, rng, stats, suffixes):
 
 def _join_files(files):
     """One document: a header line naming each file, then the file."""
-    # A file name that is not UTF-8 (bytes kept by Python as surrogates) is shown escaped.
-    printable = lambda name: os.fsencode(name).decode("utf-8", "backslashreplace")
+    # A file name that is not UTF-8 (bytes kept by Python as surrogates) is shown escaped, and
+    # so is a line break in it: the header stays one line, and the file's lines keep their numbers.
+    breaks = str.maketrans({"\n": "\\n", "\r": "\\r"})
+    printable = lambda name: os.fsencode(name).decode("utf-8", "backslashreplace").translate(breaks)
     return "".join(
         f"# file: {printable(name)}\n{text}" + ("" if text.endswith("\n") else "\n")
         for name, text in files

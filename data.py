@@ -469,7 +469,7 @@ def reach(distance, window, memory_size):
     )
 
 
-REPEAT_BANDS = ("near_repeat", "far_repeat", "new")  # what evaluation reports, by reach
+REPEAT_BANDS = ("near_repeat", "far_repeat", "beyond", "new")  # evaluation reports, by reach
 SPAN = 16  # far_span's context: about a line of code, which an idiom rarely fills
 BANDS = REPEAT_BANDS + ("far_span",)  # far_span: a part of far_repeat (span_band)
 

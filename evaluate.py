@@ -45,22 +45,27 @@ import train
 
 
 # ----------------------------------------------------------------------------- loading a run
-def load_run(run_dir, memory_size=None):
+# The fields a run may be evaluated with other than its own: they change no parameter.
+EVAL_FIELDS = ("exact_topk", "num_neighbors", "memory_age_bias")
+
+
+def load_run(run_dir, memory_size=None, changes=None):
     """(config, params, tokenizer, saved args) of a run; memory_size overrides the config's
-    (Sec. 4.4: a model trained with a small memory evaluated with a larger one). The args carry
-    the checkpoint's fingerprints of its documents and tokenizer, "documents" and "tokenizer"
-    (None where it has none); a tokenizer other than the checkpoint's is refused."""
+    (Sec. 4.4: a model trained with a small memory evaluated with a larger one), and so do
+    `changes` (EVAL_FIELDS: {field: value}). The args carry the checkpoint's fingerprints of its
+    documents and tokenizer, "documents" and "tokenizer" (None where it has none); a tokenizer
+    other than the checkpoint's is refused."""
     saved = runs.read_run_config(run_dir)
     config = saved["config"]
+    changes = dict(changes or {})
     if memory_size is not None:
-        try:
-            config = config.replace(memory_size=memory_size)
-        except (
-            ValueError
-        ) as e:  # the flag named: the config's words alone (num_neighbors, ...) are the run's
-            raise cli.UsageError(
-                f"memory size {memory_size} does not fit the run in {run_dir}: {e}"
-            ) from None
+        changes["memory_size"] = memory_size
+    try:
+        config = config.replace(**changes)
+    except ValueError as e:  # the flag named: the config's words alone are the run's
+        flag = lambda k: "memory size" if k == "memory_size" else "--" + k.replace("_", "-")
+        given = ", ".join(f"{flag(k)} {v}" for k, v in changes.items())
+        raise cli.UsageError(f"{given} does not fit the run in {run_dir}: {e}") from None
     runs.check_fits(config, 1)
     tokenizer = os.path.join(run_dir, "tokenizer.model")
     sp = data.load_tokenizer(tokenizer)
@@ -137,15 +142,35 @@ def validation_docs(args, run_args, sp, config):
 
 
 # ----------------------------------------------------------------------------- subcommands
+def read_memory(args, config, params):
+    """--load-memory's file, checked against the run (memory_file.read)."""
+    path = os.path.join(args.run_dir, "tokenizer.model")
+    pieces = data.load_tokenizer(path).get_piece_size()
+    return memory_file.read(args.load_memory, config, memory_file.params_hash(params),
+                            data.file_hash(path), pieces)
+
+
 def load_memory(args, config, params, memory_size=None):
     """(config, start state, memory_file.Memory) of --load-memory, or (config, None, None)
-    without; memory_size adds free slots to the file's."""
+    without; memory_size adds free slots to the file's, or keeps its last ones (FIFO)."""
     if not args.load_memory:
         return config, None, None
-    tokenizer = data.file_hash(os.path.join(args.run_dir, "tokenizer.model"))
-    memory = memory_file.read(args.load_memory, config, memory_file.params_hash(params),
-                              tokenizer)
-    return memory_file.start_state(memory, config, memory_size) + (memory,)
+    memory = read_memory(args, config, params)
+    return fifo_start(memory, config, memory_size)
+
+
+def fifo_start(memory, config, size=None):
+    """(config, start state, memory) of a memory of `size` slots (default: the file's): the
+    file's and free ones, or its last ones (memory_file.last_slots), the memory they hold."""
+    if size is not None and size < 1:
+        raise cli.UsageError(f"--memory-size {size} leaves no slot for --load-memory's pairs.")
+    if size is not None and size < memory.header["slots"]:
+        try:
+            config.replace(memory_size=size)
+        except ValueError as e:
+            raise cli.UsageError(f"--memory-size {size} does not fit the run: {e}") from None
+        memory = memory_file.last_slots(memory, size)
+    return memory_file.start_state(memory, config, size) + (memory,)
 
 
 def score_documents(args, sp, config):
@@ -169,12 +194,10 @@ def cmd_score(args):
     slot; the memorized band's loss both ways."""
     # --memory-size: the run's M, or with --load-memory the slots to grow the file's to
     size = None if args.load_memory else args.memory_size
-    config, params, sp, run_args = load_run(args.run_dir, size)
+    changes = {k: getattr(args, k) for k in EVAL_FIELDS if getattr(args, k, None) is not None}
+    config, params, sp, run_args = load_run(args.run_dir, size, changes)
     config, start, memory = load_memory(args, config, params, args.memory_size)
-    if args.score:
-        docs = score_documents(args, sp, config)
-    else:
-        docs = validation_docs(args, run_args, sp, config)[0]
+    docs = documents_to_score(args, run_args, sp, config)
     T, M = config.segment_length, config.memory_size
     memorized = None
     if memory:
@@ -192,8 +215,9 @@ def cmd_score(args):
         empty = evaluation.evaluate(params, config, docs, 1, step, None, args.band_memory,
                                     None, memorized, per_token=True)
         losses["loss_empty"] = empty.pop("per_token")
-        result.update(loss_empty=empty["loss"], perplexity_empty=empty["perplexity"],
-                      memorized_loss_empty=empty["memorized_loss"])
+        result.update(loss_empty=empty["loss"], perplexity_empty=empty["perplexity"])
+        if "memorized_loss" in empty:
+            result["memorized_loss_empty"] = empty["memorized_loss"]
         line += f"; empty memory {result['loss_empty']:.4f}"
     documents = corpora.plural(len(docs), "document")
     print(f"memory {M}: {line}, {documents}, {evaluation.scored(result)})")
@@ -224,14 +248,36 @@ def token_table(sp, docs, losses, memorized):
     return table.getvalue()
 
 
+def documents_to_score(args, run_args, sp, config):
+    """The documents a command scores: --score's files whole, or the run's held-out documents
+    as --eval-docs and --eval-tokens cut them (default: as the run did)."""
+    if args.score:
+        return score_documents(args, sp, config)
+    docs = validation_docs(args, run_args, sp, config)[0]
+    eval_docs = args.eval_docs or run_args["eval_docs"]
+    eval_tokens = run_args["eval_tokens"] if args.eval_tokens is None else args.eval_tokens
+    return data.first_tokens(docs[:eval_docs], eval_tokens)
+
+
+def refuse_unused(args):
+    """A flag that the command does not use with the options given is refused, not ignored:
+    --suffixes reads --score's files, and --eval-docs and --eval-tokens cut the held-out
+    documents, which --score replaces."""
+    if getattr(args, "suffixes", None) and not getattr(args, "score", None):
+        raise cli.UsageError("--suffixes chooses --score's files; without --score it does nothing.")
+    for flag in ("eval_docs", "eval_tokens"):
+        if getattr(args, flag, None) is not None and getattr(args, "score", None):
+            raise cli.UsageError(f"--{flag.replace('_', '-')} cuts the run's held-out documents, "
+                                 "and --score scores its files whole instead; drop one.")
+
+
 def cmd_perplexity(args):
     if args.load_memory or args.score:
         return cmd_score(args)
     if args.csv:
         raise cli.UsageError("--csv (a row per target) goes with --load-memory or --score.")
-    config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
-    if args.exact_topk is not None:  # Sec. 3.3: the same weights with the exact or the binned top-k
-        config = config.replace(exact_topk=args.exact_topk)
+    changes = {k: getattr(args, k) for k in EVAL_FIELDS if getattr(args, k, None) is not None}
+    config, params, sp, run_args = load_run(args.run_dir, args.memory_size, changes)
     docs, refs = validation_docs(args, run_args, sp, config)
     eval_docs = args.eval_docs or run_args["eval_docs"]
     eval_tokens = run_args["eval_tokens"] if args.eval_tokens is None else args.eval_tokens
@@ -631,6 +677,162 @@ def cmd_explore(args):
         f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory"
     )
     return 0
+
+
+# ------------------------------------------------------------------------ the memory-size curve
+CURVE_BANDS = ("near_repeat", "far_repeat", "beyond", "new", "far_span")
+
+
+def cmd_curve(args):
+    """Sec. 4.4 and Table 1's claim, drawn for one model: the loss at each of --memory-sizes.
+    In the document (the run's held-out documents), each size against the memory-off ablation;
+    from a memorized code base (--load-memory, memorized once at the largest size), each size
+    keeps the file's last slots (FIFO) and is scored against an empty memory of the same size.
+    The bands are fixed at --band-memory's reach (default: the run's M), so that every size is
+    scored on the same tokens."""
+    sizes = args.memory_sizes
+    changes = {k: getattr(args, k) for k in EVAL_FIELDS if getattr(args, k, None) is not None}
+    config, params, sp, run_args = load_run(args.run_dir, None, changes)
+    if not config.active_memory_layers:
+        raise cli.UsageError(f"{args.run_dir} has no memory: its curve is flat.")
+    T = config.segment_length
+    if min(sizes) < 1 or any(m % T for m in sizes):
+        raise cli.UsageError(f"--memory-sizes takes positive multiples of the run's segment "
+                             f"length {T}, got {','.join(map(str, sizes))}.")
+    sizes = sorted(sizes)
+    for m in sizes:  # every size checked before anything runs
+        try:
+            runs.check_fits(config.replace(memory_size=m), 1)
+        except ValueError as e:
+            raise cli.UsageError(f"--memory-sizes {m} does not fit the run: {e}") from None
+    band = config.memory_size if args.band_memory is None else args.band_memory
+    docs = documents_to_score(args, run_args, sp, config)
+    if args.load_memory:
+        memory = read_memory(args, config, params)
+        rows, base = memorized_curve(args, params, config, docs, memory, sizes, band), None
+    else:
+        rows, base = document_curve(params, config, docs, sizes, band)
+    result = {"run": args.run_dir, "load_memory": args.load_memory, "score": args.score,
+              "band_memory": band, **changes, "rows": rows}
+    if base is not None:
+        result["memory_off"] = base
+    print_curve(result)
+    if args.json:
+        runs.write_output(args.json, runs.json_text(result))
+    if args.plot:
+        plot_curve(result, args.plot)
+    return 0
+
+
+def curve_row(m, r, seconds):
+    """A size's row: its loss, perplexity and bands (None where a band has no token)."""
+    row = {"memory_size": m, "loss": r["loss"], "perplexity": r["perplexity"]}
+    row["tokens"] = r["tokens"]
+    for b in CURVE_BANDS + ("memorized",):
+        if f"{b}_tokens" in r:
+            row[f"{b}_loss"] = r.get(f"{b}_loss")
+            row[f"{b}_tokens"] = r[f"{b}_tokens"]
+    row["seconds"] = seconds
+    return row
+
+
+def document_curve(params, config, docs, sizes, band):
+    """The held-out documents at each size, and once with the memory off (the same at every
+    size: no gate lets the memory in)."""
+    B, rows = config.batch_size, []
+    for m in sizes:
+        started = time.perf_counter()
+        c = config.replace(memory_size=m)
+        step = evaluation.make_forward_step(evaluation.step_config(c))
+        r = evaluation.evaluate(params, c, docs, B, step, band_memory=band)
+        rows.append(curve_row(m, r, time.perf_counter() - started))
+    c = config.replace(memory_size=sizes[0])
+    step = evaluation.make_forward_step(evaluation.step_config(c))
+    off = evaluation.evaluate(mt.memory_off(params), c, docs, B, step, band_memory=band)
+    return rows, curve_row(0, off, None)
+
+
+def memorized_curve(args, params, config, docs, memory, sizes, band):
+    """Each size from the loaded memory's last slots (or all of it and free ones), and from an
+    empty memory of the same size; the memorized band both ways."""
+    rows, T = [], config.segment_length
+    for m in sizes:
+        started = time.perf_counter()
+        c, start, held = fifo_start(memory, config, m)
+        pos = int(start.mem_pos[0])
+        tokens = memory_file.held_tokens(held)
+        memorized = [evaluation.memorized_band(d, tokens, pos, m, T) for d in docs]
+        step = evaluation.make_forward_step(evaluation.step_config(c))
+        r = evaluation.evaluate(params, c, docs, 1, step, None, band, start, memorized)
+        del start
+        empty = evaluation.evaluate(params, c, docs, 1, step, None, band, None, memorized)
+        row = curve_row(m, r, None)
+        row.update(loss_empty=empty["loss"], perplexity_empty=empty["perplexity"],
+                   memorized_loss_empty=empty.get("memorized_loss"))
+        row["seconds"] = time.perf_counter() - started
+        rows.append(row)
+    return rows
+
+
+def print_curve(result):
+    """The curve as a table: a row a size, the loss against the base (memory off, or empty)."""
+    memorized = result["load_memory"] is not None
+    base = "empty" if memorized else "off"
+    bands = ("memorized",) + CURVE_BANDS if memorized else CURVE_BANDS
+    heads = ["memory", "ppl", "loss", base, "vs " + base] + [b.replace("_", "-") for b in bands]
+    print(" ".join(f"{h:>11}" for h in heads) + f" {'s':>7}")
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"
+    rows = result["rows"] + ([result["memory_off"]] if not memorized else [])
+    for row in rows:
+        against = row.get("loss_empty", result.get("memory_off", {}).get("loss"))
+        change = f"{row['loss'] / against - 1:+.2%}" if row["memory_size"] else "-"
+        cells = [row["memory_size"] or "off", f"{row['perplexity']:.3f}", fmt(row["loss"]),
+                 fmt(against if row["memory_size"] else None), change]
+        cells += [fmt(row.get(f"{b}_loss")) for b in bands]
+        seconds = "-" if row["seconds"] is None else f"{row['seconds']:.0f}"
+        print(" ".join(f"{x:>11}" for x in cells) + f" {seconds:>7}")
+    first = result["rows"][0]
+    counts = ", ".join(f"{b.replace('_', '-')} {first.get(f'{b}_tokens', 0)}" for b in bands)
+    if memorized:
+        counts += " (memorized: at the first size; its tokens change with the size)"
+    print(f"loss in nats over {first['tokens']} tokens; the bands by the reach of "
+          f"{result['band_memory']} slots: {counts}")
+    if memorized:
+        print("memorized: in the band, with the memory and (empty) without: "
+              + ", ".join(f"{r['memory_size']}: {fmt(r.get('memorized_loss'))} "
+                          f"({fmt(r.get('memorized_loss_empty'))})" for r in result["rows"]))
+
+
+def plot_curve(result, path):
+    """The curve as a PNG: the loss against log2 M beside its base, and each band."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        cli.say("matplotlib is not installed: no plot (the table is printed).")
+        return
+    rows = result["rows"]
+    sizes = [r["memory_size"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot(sizes, [r["loss"] for r in rows], "o-", label="memory")
+    if "memory_off" in result:
+        left.axhline(result["memory_off"]["loss"], color="gray", ls="--", label="memory off")
+    else:
+        left.plot(sizes, [r["loss_empty"] for r in rows], "s--", label="empty memory")
+    bands = ("memorized",) + CURVE_BANDS if result["load_memory"] else CURVE_BANDS
+    for b in bands:
+        values = [r.get(f"{b}_loss") for r in rows]
+        if None not in values:
+            right.plot(sizes, values, "o-", label=b.replace("_", "-"))
+    for ax, title in ((left, "loss"), (right, "loss by band")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("memory slots M")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    runs.write_output(path, lambda f: fig.savefig(f, dpi=120, format="png"))
 
 
 TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, XL cache)
@@ -1106,6 +1308,8 @@ def cmd_finetune(args):
 
 COMMANDS = {  # each command's one line in --help, and its flags (rows of cli.FLAGS)
     "perplexity": "validation perplexity, with and without memory",
+    "curve": """the loss at several memory sizes (Sec. 4.4): in the held-out documents, or from a
+        memorized code base (--load-memory) scored on --score's files; a table, --json, --plot""",
     "compare": "per-token loss difference between two memory sizes (Sec. 4.6)",
     "inspect": "what the memory retrieves for the tokens it helps most (Tables 6-8)",
     "explore": """an HTML page of a document: each token shaded by how much the memory lowered its
@@ -1131,11 +1335,17 @@ def build_parser():
     for name, text in COMMANDS.items():
         text = " ".join(text.split())
         s[name] = sub.add_parser(name, help=text, description=text)
-    for name in ("perplexity", "compare", "inspect", "explore", "recall", "reach"):
+    for name in ("perplexity", "curve", "compare", "inspect", "explore", "recall", "reach"):
         cli.add(s[name], ["run_dir"])
-    for name in ("perplexity", "compare", "inspect", "explore", "recall"):
+    for name in ("perplexity", "curve", "compare", "inspect", "explore", "recall"):
         cli.add(s[name], OF_RUN, unset="the run's")
-    run_size = ["--memory-size", "--eval-docs", "--eval-tokens", "--exact-topk"]
+    cli.add(s["curve"], ["--memory-sizes"], CURVE_DEFAULTS)
+    cli.add(s["curve"], ["--eval-docs", "--eval-tokens", "--exact-topk", "--num-neighbors",
+                         "--memory-age-bias"], unset="the run's")
+    cli.add(s["curve"], ["--band-memory", "--load-memory", "--score", "--suffixes", "--json",
+                         "--plot"], helps=CURVE_HELPS)
+    run_size = ["--memory-size", "--eval-docs", "--eval-tokens", "--exact-topk", "--num-neighbors"]
+    run_size += ["--memory-age-bias"]
     cli.add(s["perplexity"], run_size, unset="the run's")
     cli.add(s["perplexity"], ["--band-memory", "--json", "--load-memory", "--score", "--csv"])
     cli.add(s["perplexity"], ["--suffixes"])
@@ -1162,6 +1372,12 @@ def build_parser():
     return p
 
 
+CURVE_DEFAULTS = {"--memory-sizes": "512,2048,8192,65536"}
+CURVE_HELPS = {
+    "--plot": "a PNG of the loss and its bands against M (needs matplotlib)",
+    "--load-memory": """a memory file (memorize.py's, best made at the largest size): each size
+        keeps its last slots, FIFO, or adds free ones""",
+}
 REACH_DEFAULTS = {"--memory-sizes": "512,2048,8192,65536"}
 FINETUNE_DEFAULTS = {
     "--preset": "synthetic",
@@ -1174,23 +1390,26 @@ TABLE_DEFAULTS = {"--out-root": "runs/table"}
 
 
 def run(args):
-    # No output replaces a run's files, nor goes into the run's corpus or cache, or those named.
-    run_args = (
-        (runs.read_json(os.path.join(args.run_dir, "config.json")) or {}).get("args") or {}
-        if getattr(args, "run_dir", None)
-        else {}
-    )
+    # Every output checked before any work, by the one rule (runs.check_output): never onto what
+    # the command reads (the run's files, a memory file, a scored PATH), a corpus or a cache.
+    run_dir = getattr(args, "run_dir", None)
+    saved = runs.read_json(os.path.join(run_dir, "config.json")) if run_dir else None
+    run_args = (saved or {}).get("args") or {}
     sources = [d for d in (run_args.get("data"), getattr(args, "data", None)) if isinstance(d, str)]
     caches = [
         d
         for d in (run_args.get("cache_dir"), getattr(args, "cache_dir", None), cli.cache_dir())
         if isinstance(d, str)
     ]
+    inputs = [os.path.join(run_dir, name) for name in runs.RUN_FILES] if run_dir else []
+    inputs += [p for p in (getattr(args, "load_memory", None), getattr(args, "score", None)) if p]
     for name in ("json", "csv", "plot", "html"):
         if getattr(args, name, None):
-            runs.check_output_file(getattr(args, name), name, sources, caches)
+            runs.check_output(getattr(args, name), f"--{name}", inputs, sources, caches)
+    refuse_unused(args)
     return {
         "perplexity": cmd_perplexity,
+        "curve": cmd_curve,
         "compare": cmd_compare,
         "inspect": cmd_inspect,
         "explore": cmd_explore,

@@ -185,8 +185,9 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
         result["far_span_tokens"] = int(span.sum())
     if memorized is not None:
         ce = np.concatenate(mem_ce)
-        result.update(memorized_loss=float(ce.mean()) if ce.size else float("nan"),
-                      memorized_tokens=int(ce.size))
+        result["memorized_tokens"] = int(ce.size)
+        if ce.size:  # (a band without a token has no loss: the field is left out)
+            result["memorized_loss"] = float(ce.mean())
     if per_token:
         result["per_token"] = each
     if ref_ce:

@@ -305,7 +305,7 @@ def _largest_divisor_at_most(n, cap):
 WINNERS_BYTES = {"cpu": 2**21}
 
 
-def memory_search(q, mem_k, mem_valid, scale, config, chunk=1024, batch_block=None):
+def memory_search(q, mem_k, mem_valid, scale, config, bias=None, chunk=1024, batch_block=None):
     """mt.memory_search with the memory scored a piece of at most `chunk` slots at a time.
     Exact: each piece's top-k are candidates for the top-k of all. Binned: the memory seen as
     [rows, G], a piece is whole rows (or part of one), scored as keys x queries [slots, T] (the
@@ -313,10 +313,12 @@ def memory_search(q, mem_k, mem_valid, scale, config, chunk=1024, batch_block=No
     int32 (_pack); then the top-k of the G winners, ranked with the bin in their low log2(G)
     bits: float32 scores to 23 - log2(G) mantissa bits (equal beyond that: the lower bin first),
     bfloat16 ones to all. The scores returned are the packed ones. batch_block: the batch rows
-    searched at a time (None: as WINNERS_BYTES allows); the answer does not depend on it."""
+    searched at a time (None: as WINNERS_BYTES allows); the answer does not depend on it. bias
+    [B, M], where given, is added to each slot's score, as in mt.memory_search."""
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
     qs = jax.lax.stop_gradient(mt.scale_queries(q, scale))  # [B, H, T, D]
+    bias = None if bias is None else bias.astype(qs.dtype)  # [B, M]
 
     if config.exact_topk:
         size = _largest_divisor_at_most(M, chunk)
@@ -328,6 +330,8 @@ def memory_search(q, mem_k, mem_valid, scale, config, chunk=1024, batch_block=No
                 jax.lax.dynamic_slice_in_dim(mem_k, c * size, size, 2).astype(qs.dtype),
                 preferred_element_type=qs.dtype,
             )
+            if bias is not None:
+                s = s + jax.lax.dynamic_slice_in_dim(bias, c * size, size, 1)[:, None, None]
             s = jnp.where(
                 jax.lax.dynamic_slice_in_dim(mem_valid, c * size, size, 1)[:, None, None],
                 s,
@@ -347,6 +351,7 @@ def memory_search(q, mem_k, mem_valid, scale, config, chunk=1024, batch_block=No
     R = _largest_divisor_at_most(rows, chunk // W)  # rows a piece
     keys = mem_k.reshape(B, H, rows, G, D)
     valid = mem_valid.reshape(B, rows, G)
+    slot_bias = None if bias is None else bias.reshape(B, rows, G)
     if batch_block is None:
         budget = WINNERS_BYTES.get(backend())
         batch_block = B if budget is None else max(1, budget // (H * G * T * 4))
@@ -362,6 +367,9 @@ def memory_search(q, mem_k, mem_valid, scale, config, chunk=1024, batch_block=No
             piece = piece.astype(qs.dtype)  # [n, H, R, W, D]
             s = jnp.einsum("bhrwd,bhtd->bhrwt", piece, qb, preferred_element_type=qs.dtype)
             piece_valid = jax.lax.dynamic_slice(valid, (b, r, w), (n, R, W))  # [n, R, W]
+            if slot_bias is not None:
+                piece_bias = jax.lax.dynamic_slice(slot_bias, (b, r, w), (n, R, W))  # [n, R, W]
+                s = s + piece_bias[:, None, :, :, None]  # [n, H, R, W, T]
             s = jnp.where(piece_valid[:, None, :, :, None], s, NEG_INF)  # [n, H, R, W, T]
             row = r + jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)
             code = rows - 1 - row  # of equal scores the lower row wins
@@ -384,14 +392,14 @@ def memory_search(q, mem_k, mem_valid, scale, config, chunk=1024, batch_block=No
 
 
 # --------------------------------------------------------------- attention over the retrieved pairs
-def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config):
+def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, bias=None):
     """mt.attend_to_retrieved; on a GPU (for K <= 64, whose program grows with K) as K terms."""
     if backend() == "gpu" and slots.shape[-1] <= 64:
-        return attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config)
-    return mt.attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config)
+        return attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config, bias)
+    return mt.attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, bias)
 
 
-def attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config):
+def attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config, bias=None):
     """The attention over the K retrieved pairs written one pair at a time, in float32: on a GPU
     XLA fuses each term's gather, product and sum, so no [B, H, T, K, D] tensor of the retrieved
     keys or values is stored, nor kept for the backward pass."""
@@ -405,7 +413,9 @@ def attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config):
     logits = jnp.stack(
         [jnp.sum(f32(q) * f32(keys[..., k, :]), axis=-1) for k in range(K)], axis=-1
     )  # [B, H, T, K]
-    weights, has_memory = mt.masked_softmax(logits * scale[None, :, None, None], valid)
+    logits = logits * scale[None, :, None, None]  # [B, H, T, K]
+    logits = logits if bias is None else logits + bias  # [B, H, T, K]
+    weights, has_memory = mt.masked_softmax(logits, valid)
     w = weights.astype(q.dtype)
     out = sum(f32(w[..., k, None]) * f32(vals[..., k, :]) for k in range(K)).astype(
         q.dtype

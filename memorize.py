@@ -48,7 +48,9 @@ def build_parser():
     p = cli.parser(__doc__)
     cli.add(p, ["run_dir", "path", "file"])
     cli.add(p, ["--suffixes", "--order"])
-    cli.add(p, ["--memory-size"], unset="every memorized token, and the run's M free")
+    cli.add(p, ["--memory-size"], unset="every memorized token, and the run's M free",
+            helps={"--memory-size": "slots of the memory file, a positive multiple of T; fewer "
+                   "than the tokens keeps the last ones (FIFO)"})
     cli.add(p, ["--memory-dtype"], unset="the run's")
     return p
 
@@ -189,12 +191,15 @@ def check_slots(args, config, source):
 
 
 def check_paths(args):
+    """PATH exists, and FILE lands on none of the command's inputs (runs.check_output): not on
+    PATH, nor inside it, nor on the run's files, its corpus or its cache."""
     if not os.path.exists(args.path):
         raise cli.UsageError(f"{args.path} does not exist: name a directory or a file of code.")
-    if os.path.isdir(args.path) and runs.inside(args.file, args.path):
-        raise cli.UsageError(f"{args.file} is inside {args.path}: the memory file would "
-                             "become part of the code it memorizes; name a file outside it.")
-    runs.check_output_file(args.file, "file")
+    run_args = (runs.read_json(os.path.join(args.run_dir, "config.json")) or {}).get("args") or {}
+    sources = [d for d in (run_args.get("data"),) if isinstance(d, str)]
+    caches = [d for d in (run_args.get("cache_dir"), cli.cache_dir()) if isinstance(d, str)]
+    inputs = [args.path] + [os.path.join(args.run_dir, name) for name in runs.RUN_FILES]
+    runs.check_output(args.file, "FILE", inputs, sources, caches)
 
 
 def progress_line(started, T, source):

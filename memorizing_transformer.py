@@ -18,30 +18,96 @@ NEG_INF = -1e30  # a finite "minus infinity": masked logits never make NaN gradi
 
 
 # ----------------------------------------------------------------------------- config
+def knob(default, rule, help):
+    """A field of Config: its default, the rule its value meets, and its --help line. Each field
+    is a train.py flag and a config.json entry by itself (cli.py and runs.py read these)."""
+    return dataclasses.field(default=default, metadata={"rule": rule, "help": help})
+
+
+def rule(ok, words, choices=None):
+    """A knob's rule: None where ok(value), else why not ("must be ..., got ...")."""
+    check = lambda x: None if ok(x) else f"must be {words}, got {x!r}"
+    check.choices = choices  # a flag with choices shows them
+    return check
+
+
+def is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x):
+    real = isinstance(x, (int, float)) and not isinstance(x, bool)
+    return real and math.isfinite(x)
+
+
+positive = rule(lambda x: is_int(x) and x > 0, "a positive integer")
+count = rule(lambda x: is_int(x) and x >= 0, "a non-negative integer")
+finite = rule(is_number, "a finite number")
+non_negative = rule(lambda x: is_number(x) and x >= 0, "a finite number >= 0")
+rate = rule(lambda x: is_number(x) and 0 <= x < 1, "in [0, 1)")
+fraction = rule(lambda x: is_number(x) and 0 < x < 1, "in (0, 1)")
+switch = rule(lambda x: isinstance(x, bool), "true or false")
+indices = rule(lambda x: isinstance(x, tuple) and all(map(is_int, x)), "layer indices")
+
+
+def one_of(*allowed):
+    return rule(lambda x: x in allowed, f"one of {allowed}", allowed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The model; the defaults are Sec. 4.2's. Training's fields are presets.RunConfig's."""
-    vocab_size: int = 32768
-    d_model: int = 1024
-    num_layers: int = 12
-    num_heads: int = 8
-    head_dim: int = 128
-    d_ff: int = 4096
-    segment_length: int = 512
-    xl_cache: bool = True
-    memory_layers: tuple = (8,)  # 0-based: the paper's "9th layer"
-    memory_size: int = 8192  # M, per batch row and head; 0 = no memory at all
-    num_neighbors: int = 32  # k
-    num_buckets: int = 32  # T5 relative position bias
-    max_distance: int = 128
-    exact_topk: bool = False  # False: the binned approximate top-k (Sec. 3.3)
-    topk_recall_target: float = 0.95  # sets the number of bins of the approximate top-k
-    dtype: str = "float32"  # activations and matmuls; "bfloat16" for mixed precision
-    memory_dtype: str = None  # storage of the memory and the XL cache; None: as dtype
-    init_prev_token_bias: float = 0.0  # T5 bias at distance 1 in half of layer 0's heads
-    init_gate_bias: float = 0.0  # Eq. (1)'s gate starts at sigmoid(0) = 0.5, as in the paper
-    memory_combine: str = "gate"  # how the two results mix: "gate" (Eq. 2), "add" or "joint"
-    dropout: float = 0.0  # training only: the rate at which each block's output is zeroed
+
+    vocab_size: int = knob(
+        32768, positive, "SentencePiece vocabulary size V")
+    d_model: int = knob(
+        1024, positive, "model width E (= num heads x head dim)")
+    num_layers: int = knob(
+        12, positive, "transformer layers L")
+    num_heads: int = knob(
+        8, positive, "attention heads H")
+    head_dim: int = knob(
+        128, positive, "dimension D of each head")
+    d_ff: int = knob(
+        4096, positive, "hidden width F of the feed-forward blocks")
+    segment_length: int = knob(
+        512, positive, "tokens per segment T, and of the XL cache")
+    xl_cache: bool = knob(
+        True, switch, "Transformer-XL cache of the previous segment")
+    memory_layers: tuple = knob(
+        (8,), indices, "the kNN layers' 0-based indices, e.g. 1,3")
+    memory_size: int = knob(
+        8192, count, "memory slots M per row and head; 0 = no memory")
+    num_neighbors: int = knob(
+        32, positive, "k retrieved memories per query")
+    num_buckets: int = knob(
+        32, positive, "buckets of the T5 relative position bias")
+    max_distance: int = knob(
+        128, positive, "the T5 bias's last bucket starts here")
+    exact_topk: bool = knob(
+        False, switch, "the exact top-k, not Sec. 3.3's binned one")
+    topk_recall_target: float = knob(
+        0.95, fraction, "the binned top-k's recall, sets its bins")
+    dtype: str = knob(
+        "float32", one_of("float32", "bfloat16"), "activations and matmuls")
+    memory_dtype: str = knob(
+        None, one_of(None, "float32", "bfloat16"), "memory and XL cache")
+    init_prev_token_bias: float = knob(
+        0.0, finite, "T5 bias at distance 1, half of layer 0")
+    init_gate_bias: float = knob(
+        0.0, finite, "b_g at the start (0: g = 0.5, the paper's)")
+    memory_combine: str = knob(
+        "gate", one_of("gate", "add", "joint"), "how the results mix")
+    dropout: float = knob(
+        0.0, rate, "training: each block's output zeroed at this rate")
+    memory_age_bias: float = knob(
+        0.0, non_negative, "beta of the slots' age bias (0: none)")
+    memory_no_match: bool = knob(
+        False, switch, "a learned 'no match' logit (gate, add)")
+    memory_position_bias: bool = knob(
+        True, switch, "memory layers keep their T5 bias")
+    cross_batch: int = knob(
+        1, positive, "training: rows whose memories each row searches")
 
     def __post_init__(self):
         object.__setattr__(self, "memory_layers", tuple(self.memory_layers))  # JSON gives a list
@@ -64,31 +130,17 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-POSITIVE_FIELDS = (
-    "vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "d_ff", "segment_length",
-    "num_neighbors", "num_buckets", "max_distance",
-)
-CHOICES = {"dtype": ("float32", "bfloat16"), "memory_dtype": (None, "float32", "bfloat16"),
-           "memory_combine": ("gate", "add", "joint")}
-
-
 def check_config(c):
-    """Every field's condition, each refused in one sentence that names the field."""
-    for name in POSITIVE_FIELDS:
-        value = getattr(c, name)
-        positive = isinstance(value, int) and value > 0
-        check(positive, f"{name} must be a positive integer, got {value!r}.")
-    for name, allowed in CHOICES.items():
-        value = getattr(c, name)
-        check(value in allowed, f"{name} must be one of {allowed}, got {value!r}.")
-    for name in ("init_prev_token_bias", "init_gate_bias"):
-        check(math.isfinite(getattr(c, name)), f"{name} must be finite, got {getattr(c, name)}.")
+    """Check each field by its rule, then the fields together. Each failure is refused in one
+    sentence that names the field."""
+    for field in dataclasses.fields(c):
+        problem = field.metadata["rule"](getattr(c, field.name))
+        check(problem is None, f"{field.name} {problem}.")
     M, T, K = c.memory_size, c.segment_length, c.num_neighbors
     exact = c.num_buckets // 2
     check(c.max_distance > exact, f"max_distance ({c.max_distance}) must exceed num_buckets // 2 "
           f"({exact}), where the T5 log-spaced buckets begin.")
-    check(M >= 0 and M % T == 0, f"memory_size ({M}) must be a multiple of segment_length ({T}) "
-          "and >= 0.")
+    check(M % T == 0, f"memory_size ({M}) must be a multiple of segment_length ({T}).")
     check(not M or K <= M, f"num_neighbors ({K}) must be <= memory_size ({M}).")
     for i in c.memory_layers:
         check(0 <= i < c.num_layers, f"memory layer index {i} is out of range: num_layers is "
@@ -99,9 +151,8 @@ def check_config(c):
           "for no memory, set it to 0.")
     check(c.num_heads * c.head_dim == c.d_model, f"num_heads * head_dim ({c.num_heads} * "
           f"{c.head_dim}) must equal d_model ({c.d_model}).")
-    check(0 < c.topk_recall_target < 1, "topk_recall_target must be in (0, 1), got "
-          f"{c.topk_recall_target}.")
-    check(0 <= c.dropout < 1, f"dropout must be in [0, 1), got {c.dropout}.")
+    check(not (c.memory_no_match and c.memory_combine == "joint"), "memory_no_match goes with "
+          "the gate and add combines: joint's local pairs are its way to retrieve nothing.")
 
 
 def check(ok, message):
@@ -169,6 +220,8 @@ def init_params(config, rng):
         }
         if i in c.active_memory_layers:
             layer["gate_bias"] = np.full(H, c.init_gate_bias, np.float32)  # Eq. (1)'s b_g
+        if i in c.active_memory_layers and c.memory_no_match:
+            layer["no_match"] = np.zeros(H, np.float32)  # the logit of retrieving nothing
         layers.append(layer)
     params = {
         "embed": normal((c.vocab_size, E), 1.0),
@@ -274,15 +327,19 @@ def bin_layout(k, memory_size, recall_target):
     return memory_size // rows, rows
 
 
-def memory_search(q, mem_k, mem_valid, scale, config):
-    """The top-k memory slots of every query: q [B, H, T, D], mem_k [B, H, M, D], mem_valid [B, M]
-    -> scores, slots [B, H, T, K]; invalid slots score NEG_INF. Exact, or binned (Sec. 3.3): each
-    bin's best slot (consecutive slots in different bins), then the top-k of the winners."""
+def memory_search(q, mem_k, mem_valid, scale, config, bias=None):
+    """The top-k memory slots of every query: q [B, H, T, D], mem_k [B, H, M, D],
+    mem_valid [B, M] -> scores, slots [B, H, T, K]; invalid slots score NEG_INF, and
+    bias [B, M], where given, adds to every slot's score. Exact, or binned (Sec. 3.3):
+    each bin's best slot (consecutive slots in different bins), then the top-k of the
+    winners."""
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
     qs = jax.lax.stop_gradient(scale_queries(q, scale))  # [B, H, T, D]
     keys = mem_k.astype(q.dtype)  # [B, H, M, D]
     scores = jnp.einsum("bhtd,bhmd->bhtm", qs, keys, preferred_element_type=q.dtype)
+    if bias is not None:
+        scores = scores + bias[:, None, None, :].astype(scores.dtype)  # [B, H, T, M]
     scores = jnp.where(mem_valid[:, None, None, :], scores, NEG_INF)  # [B, H, T, M]
     if config.exact_topk:
         return jax.lax.top_k(scores, K)
@@ -305,13 +362,16 @@ def retrieved_logits(q, mem_k, slots, scale, config):
     return logits * scale[None, :, None, None]  # [B, H, T, K]: Sec. 3.2's scale
 
 
-def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config):
-    """Softmax attention of each query over its K retrieved pairs, with no position bias:
-    q [B, H, T, D], slots and valid [B, H, T, K] -> out [B, H, T, D], weights [B, H, T, K],
-    has_memory [B, H, T] (False where no retrieved slot was valid)."""
+def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, bias=None):
+    """Softmax attention of each query over its K retrieved pairs, with no position
+    bias but `bias` [B, H, T, K] where given: q [B, H, T, D], slots and valid
+    [B, H, T, K] -> out [B, H, T, D], weights [B, H, T, K], has_memory [B, H, T]
+    (False where no retrieved slot was valid)."""
     index = slots[..., None]  # [B, H, T, K, 1]
     vals = jnp.take_along_axis(mem_v[:, :, None], index, axis=3).astype(q.dtype)  # [B, H, T, K, D]
     logits = retrieved_logits(q, mem_k, slots, scale, config)  # [B, H, T, K]
+    if bias is not None:
+        logits = logits + bias  # [B, H, T, K]
     weights, has_memory = masked_softmax(logits, valid)  # [B, H, T, K]
     out = jnp.einsum("bhtk,bhtkd->bhtd", weights.astype(vals.dtype), vals)  # [B, H, T, D]
     return out, weights, has_memory
@@ -325,26 +385,33 @@ class Retrieved(NamedTuple):
     slots: jax.Array
     valid: jax.Array
     weights: jax.Array
+    bias: object  # [B, H, T, K]: the retrieved slots' age_bias, or None
 
 
-def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, ops):
-    """Sec. 3.1: retrieve each query's top-k pairs from the memory and attend to them. q [B, H, T,
-    D]; mem_k, mem_v [B, H, M, D]; mem_valid [B, M] -> Retrieved. The memory is a constant:
-    gradients reach q through the keys."""
+def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, ops, slot_bias=None):
+    """Sec. 3.1: retrieve each query's top-k pairs from the memory and attend to them.
+    q [B, H, T, D]; mem_k, mem_v [B, H, M, D]; mem_valid [B, M]; slot_bias [B, M],
+    where given, added to each slot's score in the search and the softmax -> Retrieved.
+    The memory is a constant: gradients reach q through the keys."""
     mem_k = jax.lax.stop_gradient(mem_k)
     mem_v = jax.lax.stop_gradient(mem_v)
-    _, slots = ops.memory_search(q, mem_k, mem_valid, scale, config)  # [B, H, T, K]
-    valid = jax.vmap(lambda row_valid, row_slots: row_valid[row_slots])(mem_valid, slots)
+    _, slots = ops.memory_search(q, mem_k, mem_valid, scale, config, bias=slot_bias)
+    take = jax.vmap(lambda row, row_slots: row[row_slots])  # [B, M], slots -> [B, H, T, K]
+    valid = take(mem_valid, slots)  # [B, H, T, K]
+    bias = None if slot_bias is None else take(slot_bias, slots)  # [B, H, T, K]
     attend = ops.attend_to_retrieved
-    out, weights, has_memory = attend(q, mem_k, mem_v, slots, valid, scale, config)
-    return Retrieved(out=out, has_memory=has_memory, slots=slots, valid=valid, weights=weights)
+    out, weights, has_memory = attend(q, mem_k, mem_v, slots, valid, scale, config, bias)
+    return Retrieved(out=out, has_memory=has_memory, slots=slots, valid=valid, weights=weights,
+                     bias=bias)
 
 
-def combine(out, found, gate_bias, config, lse=None):
-    """The local out [B, H, T, D] and the retrieved found.out, mixed as config.memory_combine
-    says; lse, joint's only: the retrieved and the local logits' log normalizers [B, H, T]. In add
-    and joint, b_g is a constant (its init) that weighs the retrieved side by e^b_g; memory_off
-    sets it to -1e9. A query with no valid memory (a document's first segment) keeps its out."""
+def combine(out, found, gate_bias, config, lse=None, no_match=None):
+    """The local out [B, H, T, D] and the retrieved found.out, mixed as
+    config.memory_combine says. lse: the retrieved and the local logits' log
+    normalizers [B, H, T] (joint's; the first alone with no_match). In add and joint,
+    b_g is a constant (its init) that weighs the retrieved side by e^b_g; memory_off
+    sets it to -1e9. no_match [H]: the logit of retrieving nothing (deviation 11). A
+    query with no valid memory (a document's first segment) keeps its out."""
     b = gate_bias[None, :, None]  # [1, H, 1]
     if config.memory_combine == "gate":  # Eq. (2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g)
         share = jax.nn.sigmoid(b)
@@ -353,6 +420,9 @@ def combine(out, found, gate_bias, config, lse=None):
     else:  # joint: the retrieved pairs' share of one softmax over [retrieved; local]
         mem_lse, local_lse = lse
         share = jax.nn.sigmoid(mem_lse + jax.lax.stop_gradient(b) - local_lse)  # Z_m / (Z_m + Z_c)
+    if no_match is not None:  # of [retrieved; nothing], the retrieved: Z_m / (Z_m + e^b)
+        b_nm = no_match[None, :, None]  # [1, H, 1]
+        share = share * jax.nn.sigmoid(lse[0] - b_nm)  # [B, H, T]
     share = (share * found.has_memory)[..., None]  # [B, H, T, 1]
     return found.out * share + out * (1 if config.memory_combine == "add" else 1 - share)
 
@@ -395,6 +465,23 @@ def commit_memory(state, reset, config, clear=clear_rows):
     return state._replace(mem_k=mem_k, mem_v=mem_v, mem_valid=mem_valid, mem_pos=mem_pos)
 
 
+# ------------------------------------------------------------- beyond the paper: crowded memories
+def age_bias(mem_pos, M, config):
+    """Each slot's score bias, -beta log2(1 + age / T) (deviation 10).
+    Its age: the tokens since it was written, counted back from the
+    write position mem_pos [B] (slot mem_pos - 1 holds the last token
+    written) -> [B, M]. Among look-alikes, the recent ones win."""
+    age = (mem_pos[:, None] - 1 - jnp.arange(M)[None, :]) % M + 1  # [B, M]: 1 to M
+    return -config.memory_age_bias * jnp.log2(1.0 + age / config.segment_length)  # [B, M]
+
+
+def with_other_rows(x, d, axis):
+    """Row b of x [B, ...], then rows b + 1, ..., b + d - 1 (mod B)
+    along `axis`: its memory and those of d - 1 other documents
+    (deviation 12). M -> d M along `axis`."""
+    return jnp.concatenate([jnp.roll(x, -j, axis=0) for j in range(d)], axis=axis)
+
+
 # ----------------------------------------------------------------------------- the model
 class Ops(NamedTuple):
     """The pieces forward computes with; kernels.FAST has drop-ins of the same signatures."""
@@ -417,8 +504,9 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
             rng=None):
     """One segment of every row: tokens int [B, T] (the caller checks their range); reset bool
     [B] (the row starts a document); mask bool [B, T], False on padding, which never enters the
-    memory or the cache as valid; rng, in training, drops each block's output at config.dropout
-    (None: nothing dropped). Returns (logits [B, T, V] float32, new state), and with
+    memory or the cache as valid; rng, given in training only: each block's output is dropped at
+    config.dropout, and each row also searches the memories of config.cross_batch - 1 other rows
+    (None: evaluation). Returns (logits [B, T, V] float32, new state), and with
     return_retrievals also a list, per memory layer, of {"slots", "weights"} [B, H, T, K]."""
     c, dt = config, config.dtype
     (B, T), E, H, D = tokens.shape, c.d_model, c.num_heads, c.head_dim
@@ -431,6 +519,16 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
     key_valid = jnp.concatenate([cache_valid, mask], axis=1)  # [B, S]
     if c.active_memory_layers:
         state = commit_memory(state, reset, c, ops.clear_rows)
+        M = c.memory_size
+        mem_valid = state.mem_valid  # [B, M]
+        slot_bias = age_bias(state.mem_pos, M, c) if c.memory_age_bias else None  # [B, M]
+        others = c.cross_batch if rng is not None else 1  # rows searched by each
+
+        check(others <= B, f"cross_batch ({others}) must be at most the {B} rows of a step.")
+        if others > 1:  # the memories of rows b, ..., b + d - 1 as one: [B, d M]
+            mem_valid = with_other_rows(mem_valid, others, axis=1)  # [B, d M]
+            if slot_bias is not None:
+                slot_bias = with_other_rows(slot_bias, others, axis=1)  # [B, d M]
 
     def heads(y):  # [N, H * D] -> [B, H, T, D]
         return jnp.swapaxes(y.reshape(B, T, H, D), 1, 2)
@@ -453,17 +551,28 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
         local_k = jnp.concatenate([cache_k, k], axis=2)  # [B, H, S, D]
         local_v = jnp.concatenate([cache_v, v], axis=2)  # [B, H, S, D]
         scale = p["qk_scale"]  # [H]
-        out = ops.local_attention(q, local_k, local_v, key_valid, p["rel_bias"], scale, c)
-        if i in c.active_memory_layers:
+        memory_layer = i in c.active_memory_layers
+        rel_bias = p["rel_bias"]  # [num_buckets, H]
+        if memory_layer and not c.memory_position_bias:  # meliad's 2025 memory configuration
+            rel_bias = jnp.zeros_like(rel_bias)
+        out = ops.local_attention(q, local_k, local_v, key_valid, rel_bias, scale, c)
+        if memory_layer:
             j = c.active_memory_layers.index(i)
             mem_k, mem_v = state.mem_k[:, j], state.mem_v[:, j]  # [B, H, M, D]
-            found = knn_attention(q, mem_k, mem_v, state.mem_valid, scale, c, ops)  # Retrieved
+            if others > 1:
+                mem_k = with_other_rows(mem_k, others, axis=2)  # [B, H, d M, D]
+                mem_v = with_other_rows(mem_v, others, axis=2)  # [B, H, d M, D]
+            found = knn_attention(q, mem_k, mem_v, mem_valid, scale, c, ops, slot_bias)
             lse = None
-            if c.memory_combine == "joint":  # one softmax over both: each side's log normalizer
+            if c.memory_combine == "joint" or c.memory_no_match:  # each side's log normalizer
                 retrieved = retrieved_logits(q, mem_k, found.slots, scale, c)  # [B, H, T, K]
-                local = local_logits(q, local_k, key_valid, p["rel_bias"], scale, c)  # [B, H, T, S]
-                lse = (masked_logsumexp(retrieved, found.valid), masked_logsumexp(*local))
-            out = combine(out, found, p["gate_bias"], c, lse).astype(dt)
+                if found.bias is not None:
+                    retrieved = retrieved + found.bias  # [B, H, T, K]
+                lse = (masked_logsumexp(retrieved, found.valid), None)
+            if c.memory_combine == "joint":
+                local = local_logits(q, local_k, key_valid, rel_bias, scale, c)  # [B, H, T, S]
+                lse = (lse[0], masked_logsumexp(*local))
+            out = combine(out, found, p["gate_bias"], c, lse, p.get("no_match")).astype(dt)
             retrievals.append({"slots": found.slots, "weights": found.weights})
         attn = jnp.einsum("bhtd,hde->bte", out, p["wo"].astype(dt)).reshape(B * T, E)  # [N, E]
         if drop:

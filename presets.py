@@ -6,52 +6,55 @@ kernels.py, and the named presets.
 """
 
 import dataclasses
-import math
 
 import memorizing_transformer as mt
-from memorizing_transformer import check
+from memorizing_transformer import check, knob
 
 
-POSITIVE_FIELDS = mt.POSITIVE_FIELDS + ("batch_size", "grad_accum", "steps", "memory_chunk")
-CHOICES = {**mt.CHOICES, "attention": ("explicit", "fused")}
+seed_rule = mt.rule(lambda x: mt.is_int(x) and 0 <= x < 2**32, "an integer in [0, 2**32)")
+positive_number = mt.rule(lambda x: mt.is_number(x) and x > 0, "a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig(mt.Config):
-    """The model's fields (memorizing_transformer.Config), then training's and the kernels'."""
+    """The model's fields (memorizing_transformer.Config), then training's and the kernels'. Each
+    is a train.py flag, as Config's are."""
 
     # training (Sec. 4.2)
-    batch_size: int = 256  # rows; a batch holds batch_size * segment_length tokens
-    grad_accum: int = 1  # micro-batches per step (rows are split between them)
-    steps: int = 500_000
-    lr: float = 1.0
-    warmup_steps: int = 1000
-    seed: int = 0
+    batch_size: int = knob(256, mt.positive, "batch rows; each row streams documents in order")
+    grad_accum: int = knob(1, mt.positive, "micro-batches per step (rows are split between them)")
+    steps: int = knob(
+        500_000, mt.positive,
+        "training steps; with --resume, the step to train to; with --init-from, the steps to add",
+    )
+    lr: float = knob(1.0, positive_number, "base learning rate (1.0 in the paper)")
+    warmup_steps: int = knob(1000, mt.count, "linear warmup steps before square-root decay")
+    seed: int = knob(
+        0, seed_rule,
+        "seed of the initialization and of the order in which rows take training documents; the "
+        "split is fixed (seed 0), so every seed is scored on the same documents",
+    )
     # kernels.py's knobs
-    memory_chunk: int = 1024  # kernels.memory_search scores the memory this many slots at a time
-    attention: str = "explicit"  # kernels.py's local attention: "explicit" or "fused" (cuDNN)
+    memory_chunk: int = knob(
+        1024, mt.positive, "memory slots kernels.py scores at a time (the [T, M] scores in pieces)"
+    )
+    attention: str = knob(
+        "explicit", mt.one_of("explicit", "fused"),
+        "local attention: explicit einsums, or fused (jax.nn.dot_product_attention: cuDNN's on a "
+        "GPU with bfloat16), the same math for the valid tokens",
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        for name in POSITIVE_FIELDS:
-            value = getattr(self, name)
-            positive = isinstance(value, int) and value > 0
-            check(positive, f"{name} must be a positive integer, got {value!r}.")
-        value = self.attention
-        check(
-            value in CHOICES["attention"],
-            f"attention must be one of {CHOICES['attention']}, got {value!r}.",
-        )
-        check(math.isfinite(self.lr), f"lr must be finite, got {self.lr}.")
         check(
             self.batch_size % self.grad_accum == 0,
             f"batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum}).",
         )
+        rows = self.batch_size // self.grad_accum
         check(
-            self.lr > 0 and self.warmup_steps >= 0,
-            f"lr must be > 0 and warmup_steps >= 0, got {self.lr}, {self.warmup_steps}.",
+            self.cross_batch <= rows,
+            f"cross_batch ({self.cross_batch}) must be at most the {rows} rows of a micro-batch.",
         )
-        check(0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}.")
 
 
 PRESETS = {

@@ -9,10 +9,14 @@ command leaves every file as it was.
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
+import math
 import os
 import re
+import secrets
+import stat
 import tempfile
 import time
 from typing import NamedTuple
@@ -77,8 +81,20 @@ MODEL_SHAPE = (
 
 # ----------------------------------------------------------------------------- writing files
 def json_text(obj):
-    """The text of a JSON file we write, ending in a newline like any text file."""
-    return json.dumps(obj, indent=2) + "\n"
+    """The text of a JSON file we write, ending in a newline like any text file. JSON has no
+    NaN or infinity: a number that is not finite is written null (a loss over no token)."""
+    return json.dumps(finite_or_null(obj), indent=2, allow_nan=False) + "\n"
+
+
+def finite_or_null(obj):
+    """obj with every float that is not finite replaced by None, in dicts, lists and tuples."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
 
 
 @contextlib.contextmanager
@@ -98,40 +114,94 @@ def _write_content(f, content):
         f.write(content.encode() if isinstance(content, str) else content)
 
 
+def _temp_name(path):
+    """A hidden name beside path for its temporary file: .NAME.XXXXXXXX.partial (NAME cut to
+    200 characters, so that the name fits wherever path's does)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name[:200]}.{secrets.token_hex(4)}.partial")
+
+
+def _name(fd, name):
+    """Give the unnamed file fd (O_TMPFILE) a name: through /proc, or linkat(AT_EMPTY_PATH)
+    where /proc's link crosses a mount. False where neither can."""
+    with contextlib.suppress(OSError):
+        os.link(f"/proc/self/fd/{fd}", name, follow_symlinks=True)
+        return True
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.linkat(fd, b"", -100, os.fsencode(name), 0x1000) == 0  # AT_FDCWD, EMPTY_PATH
+    return False
+
+
+def _unnamed_file(folder):
+    """An O_TMPFILE in folder that can be named once whole, or None where the system has
+    none: a probe file is named and removed first."""
+    if not hasattr(os, "O_TMPFILE"):
+        return None
+    try:
+        probe = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
+    except OSError:
+        return None
+    name = _temp_name(os.path.join(folder, "probe"))
+    named = _name(probe, name)
+    os.close(probe)
+    if not named:
+        return None
+    os.remove(name)
+    return os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
+
+
 def atomic_write(path, content):
     """Write `content` (bytes, str, or a function that writes to a binary file) to `path`
-    whole or not at all: a hidden temporary file beside it (.NAME.XXXXXXXX.partial), then
-    a rename. The file gets the permissions of any new file (the umask)."""
-    fd, tmp = tempfile.mkstemp(
-        dir=os.path.dirname(os.path.abspath(path)),
-        prefix=f".{os.path.basename(path)}.",
-        suffix=".partial",
-    )
+    whole or not at all: a temporary file beside it, then a rename. Where the file system
+    has O_TMPFILE (Linux), the temporary file has no name until it is whole, so a killed
+    command leaves nothing behind; elsewhere it is a hidden .NAME.XXXXXXXX.partial, which a
+    kill may leave. A file that is replaced keeps its mode; a new one gets the umask's."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(path):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = _unnamed_file(folder), None
+    if fd is None:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)[:200]}.",
+                                   suffix=".partial")
     try:
         with _naming(path), os.fdopen(fd, "wb") as f:
             _write_content(f, content)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+            os.fchmod(f.fileno(), mode)
+            if tmp is None:  # whole: now it gets a name, for the rename
+                tmp = _temp_name(path)
+                if not _name(f.fileno(), tmp):
+                    raise OSError(f"cannot name the file written for {path}")
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
 
 
 def is_stream(path):
-    """Whether path exists and is neither a regular file nor a directory: a pipe, /dev/stdout."""
-    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+    """Whether path is a pipe or a character device (/dev/stdout, /dev/null): an output is
+    written to it in place, never replaced."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
 
 
 def write_output(path, content):
-    """A file the user named (--json, --csv, --out ...): written atomically, or, where it
-    is a stream, written to as it is (a rename would replace the pipe with a file)."""
-    if not is_stream(path):
-        return atomic_write(path, content)
-    with _naming(path), open(path, "wb") as f:
+    """A file the user named (--json, --csv, a memory file ...), checked by check_output:
+    written atomically (through a link, to its target), or, where it is a stream, written
+    to as it is (a rename would replace the pipe or the device with a file)."""
+    real = os.path.realpath(path)
+    if not is_stream(real):
+        return atomic_write(real, content)
+    with _naming(path), open(real, "wb") as f:
         _write_content(f, content)
 
 
@@ -182,39 +252,60 @@ def inside(path, directory):
     return rel == os.curdir or rel.split(os.sep)[0] != os.pardir
 
 
-def check_output_file(path, flag, sources=(), caches=()):
-    """Refuse, before any work, an output file that cannot be written (no directory, or a
-    directory in its place), or that would replace a file of a run directory (RUN_FILES),
-    or lie in one of the corpora `sources` or the caches `caches`. Any other existing
-    file is replaced atomically."""
+def check_output(path, flag, inputs=(), sources=(), caches=()):
+    """The one rule of where a command may write, checked before it works. An output never
+    replaces or enters an input of its command (`inputs`: the files and directories it reads:
+    the run's files, a memory file, a memorized or scored PATH), a corpus (`sources`) or a
+    cache (`caches`), and never replaces a run's files. It never replaces what is not a
+    regular file: a pipe or a character device is written in place, and anything else (a
+    directory, a socket, a block device) is refused. Its name must fit the file system."""
     real = os.path.realpath(path)
+    said = f"{flag} {path}"
     if os.path.basename(real) in RUN_FILES and os.path.isfile(
         os.path.join(os.path.dirname(real), "config.json")
     ):
         raise cli.UsageError(
-            f"--{flag} {path} is the {os.path.basename(real)} of the run in "
-            f"{os.path.dirname(real)}: an "
-            f"output never replaces a run's files; name another file."
+            f"{said} is the {os.path.basename(real)} of the run in {os.path.dirname(real)}: an "
+            "output never replaces a run's files; name another file."
         )
+    for source in inputs:
+        same = os.path.exists(real) and os.path.exists(source) and os.path.samefile(real, source)
+        if same or inside(real, source):
+            where = "is" if same or os.path.isfile(source) else "is inside"
+            raise cli.UsageError(
+                f"{said} {where} {source}, which this command reads: an output never replaces "
+                "or enters its own input; name a file outside it."
+            )
     for source in sources:
         if corpora.inside_corpus(path, source):
             raise cli.UsageError(
-                f"--{flag} {path} is inside the corpus {source}: an output never replaces or adds "
-                "to a "
-                f"corpus's files; name a file outside it."
+                f"{said} is inside the corpus {source}: an output never replaces or adds to a "
+                "corpus's files; name a file outside it."
             )
     for cache in caches:
         if cache and os.path.isdir(cache) and inside(path, cache):
             raise cli.UsageError(
-                f"--{flag} {path} is inside the cache {cache}: an output never replaces a cache's "
-                "files; "
-                f"name a file outside it."
+                f"{said} is inside the cache {cache}: an output never replaces a cache's files; "
+                "name a file outside it."
             )
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise cli.UsageError(f"cannot write --{flag} {path}: it is a directory.")
-    if not is_stream(path) and not writable_directory(folder):
-        raise cli.UsageError(f"cannot write --{flag} {path}: {folder} is not a writable directory.")
+    if os.path.isdir(real):
+        raise cli.UsageError(f"cannot write {said}: it is a directory.")
+    if os.path.exists(real) and not (os.path.isfile(real) or is_stream(real)):
+        raise cli.UsageError(
+            f"cannot write {said}: it is neither a regular file nor a pipe or terminal, and an "
+            "output never replaces one."
+        )
+    folder = os.path.dirname(real)
+    if is_stream(real):
+        return
+    if not writable_directory(folder):
+        raise cli.UsageError(f"cannot write {said}: {folder} is not a writable directory.")
+    longest = os.pathconf(folder, "PC_NAME_MAX")
+    if len(os.fsencode(os.path.basename(real))) > longest:
+        raise cli.UsageError(
+            f"cannot write {said}: its name is longer than the {longest} bytes a file name may "
+            f"have in {folder}."
+        )
 
 
 def read_json(path):
@@ -228,11 +319,6 @@ def read_json(path):
 
 
 # ----------------------------------------------------------------------------- run directories
-# Config fields that runs written by the first versions lack: read with the default,
-# which is what those versions did.
-ADDED_SINCE = ("attention", "init_prev_token_bias", "init_gate_bias", "dropout")
-
-
 def json_type(field, value):
     """Whether a config.json value has its Config field's type: a bool is true or
     false, an int not a bool, a float any number, memory_layers a list of ints, a str
@@ -249,7 +335,8 @@ def json_type(field, value):
 
 def read_run_config(run_dir):
     """A run's config.json as {"config": RunConfig, "args": dict}, read strictly: every
-    field, with its JSON type (ADDED_SINCE's may be missing: their defaults, with a note).
+    field present with its JSON type; a field missing, added to Config after the run was written,
+    reads its default (what the code did before it), with a note.
     A broken file is a cli.UsageError naming what is wrong."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
@@ -288,11 +375,6 @@ def read_run_config(run_dir):
                 f"{path} has a field {name!r} that this project's Config does not have."
             )
     missing = sorted(name for name in known if name not in fields)
-    for name in missing:
-        if name not in ADDED_SINCE:
-            raise cli.UsageError(
-                f"{path} has no field {name}: every field of the run's Config must be there."
-            )
     for name, value in fields.items():
         if not json_type(known[name], value):
             kind = {
@@ -507,6 +589,14 @@ def restore_tree(template, arrays, prefix, path, strict=True):
                 f"checkpoint {path} has {key} of dtype {arrays[key].dtype}, but this config needs "
                 f"{np.dtype(x.dtype)}: it is corrupt or was not written by train.py."
             )
+        wanted = np.dtype(x.dtype)
+        if wanted.kind in "iu" and arrays[key].size:  # checked before the cast, which would wrap
+            low, high = np.iinfo(wanted).min, np.iinfo(wanted).max
+            if arrays[key].min() < low or arrays[key].max() > high:
+                raise cli.UsageError(
+                    f"checkpoint {path} has {key} with values outside {wanted}'s range: it is "
+                    "corrupt."
+                )
         if prefix == "params" and not np.all(np.isfinite(arrays[key])):
             raise cli.UsageError(
                 f"checkpoint {path} has non-finite values in {key}: its weights cannot be used."

@@ -82,57 +82,77 @@ def np_gelu(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def reference_memory(dots, mask, config):
+def reference_memory(dots, mask, config, rows=1):
     """Which earlier keys each query attends to in the memory, as the paper's ring buffer holds
-    them: dots [B, H, N, N] (query i, key j), mask [B, N] -> bool [B, H, N, N]. Each segment with
-    a valid token takes the next T slots, the oldest dropped once M are full; a padded key is
-    never valid. Exact top-k with k = M takes every held key; the binned top-k (slot s in bin
-    s mod G, rows of G bins) takes each bin's best held key, then the k best of those; the
-    exact top-k the k best held keys."""
-    B, H, N, _ = dots.shape
+    them: dots [B, H, N, B, N] (query row b, position i; key row r, position j), mask [B, N] ->
+    chosen bool [B, H, N, B, N], and each pair's age bias [B, N, B, N]. Each segment with a valid
+    token takes the next T slots of its row, the oldest dropped once M are full; a padded key is
+    never valid. A slot's age is the tokens between it and the query's segment, counted in slots
+    written; its bias -beta log2(1 + age / T) adds to its score. Row b searches its own memory,
+    then (rows > 1, cross-batch) those of rows b + 1, ..., b + rows - 1, as one of rows * M slots.
+    Exact top-k with k >= the held keys takes them all; the binned top-k (slot s in bin s mod G,
+    rows of G bins) takes each bin's best held key, then the k best of those; the exact top-k
+    the k best held keys."""
+    B, H, N = dots.shape[:3]
     T, M, K = config.segment_length, config.memory_size, config.num_neighbors
-    G = mt.bin_layout(K, M, config.topk_recall_target)[0]
-    chosen = np.zeros(dots.shape, bool)
-    for b in range(B):
+    G = mt.bin_layout(K, rows * M, config.topk_recall_target)[0]
+    held = [[{} for _ in range(N // T)] for _ in range(B)]  # row, segment -> {j: (slot, age)}
+    for r in range(B):
         appended = []  # segments in the order they were written to the memory
         for n in range(N // T):
-            held = appended[-(M // T) :]  # the last M // T appended segments, oldest first
-            slot = {}  # key position -> its slot in the ring buffer
-            for m in held:
+            for m in appended[-(M // T) :]:  # the last M // T appended segments, oldest first
                 first = (appended.index(m) * T) % M
+                age = (len(appended) - appended.index(m)) * T
                 for t in range(T):
-                    if mask[b, m * T + t]:
-                        slot[m * T + t] = first + t
+                    if mask[r, m * T + t]:
+                        held[r][n][m * T + t] = (first + t, age - t)
+            if mask[r, n * T : (n + 1) * T].any():
+                appended.append(n)
+    chosen = np.zeros(dots.shape, bool)
+    bias = np.zeros((B, N, B, N))
+    beta = config.memory_age_bias
+    for b in range(B):
+        for n in range(N // T):
+            slots = {}  # (key row, key position) -> its slot in the searched memory
+            for o in range(rows):
+                r = (b + o) % B
+                for j, (slot, age) in held[r][n].items():
+                    slots[(r, j)] = o * M + slot
+                    bias[b, n * T : (n + 1) * T, r, j] = -beta * np.log2(1 + age / T)
             for h in range(H):
                 for i in range(n * T, (n + 1) * T):
-                    if K >= len(slot):
-                        picked = list(slot)
+                    score = lambda rj: dots[b, h, i, rj[0], rj[1]] + bias[b, i, rj[0], rj[1]]
+                    if K >= len(slots):
+                        picked = list(slots)
                     elif config.exact_topk:
-                        picked = sorted(slot, key=lambda j: -dots[b, h, i, j])[:K]
+                        picked = sorted(slots, key=lambda rj: -score(rj))[:K]
                     else:
-                        best = {}  # bin -> its best key position
-                        for j, s in slot.items():
-                            if s % G not in best or dots[b, h, i, j] > dots[b, h, i, best[s % G]]:
-                                best[s % G] = j
-                        picked = sorted(best.values(), key=lambda j: -dots[b, h, i, j])[:K]
-                    chosen[b, h, i, picked] = True
-            if mask[b, n * T : (n + 1) * T].any():
-                appended.append(n)
-    return chosen
+                        best = {}  # bin -> its best key
+                        for rj, s in slots.items():
+                            if s % G not in best or score(rj) > score(best[s % G]):
+                                best[s % G] = rj
+                        picked = sorted(best.values(), key=lambda rj: -score(rj))[:K]
+                    for r, j in picked:
+                        chosen[b, h, i, r, j] = True
+    return chosen, bias
 
 
-def reference_forward(params, tokens, config, gate=None, mask=None, kept=None):
+def reference_forward(params, tokens, config, gate=None, mask=None, kept=None, rows=1):
     """The whole document in one pass, numpy float64.
 
     Local attention: a banded causal mask (itself and the previous T tokens) with the XL
     cache, or causal within each segment without it; padded keys (mask False) never seen.
-    Memory layers: dense softmax over the keys the memory holds (reference_memory), no position
-    bias, mixed by the gate; `gate` 'memory' / 'local' forces g = 1 / g = 0. A query with no
-    key in the memory keeps the local result. Padded positions' logits are not defined.
+    Memory layers: dense softmax over the keys the memory holds (reference_memory; rows > 1:
+    the memories of `rows` rows, as in training with cross_batch), with the age bias and no
+    position bias, mixed by the gate; `gate` 'memory' / 'local' forces g = 1 / g = 0. With a
+    no-match logit, the softmax has one more entry, of value 0, and the gate mixes in the held
+    keys' share of it, the rest going to the local result. A query with no key in the memory
+    keeps the local result. Without memory_position_bias the memory layers' local attention
+    has no T5 bias. Padded positions' logits are not defined.
     kept: dropout's multipliers of each block's output, [B, N, E] a block, in the model's order.
     """
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    T, N = config.segment_length, tokens.shape[1]
+    T, N, B, H = config.segment_length, tokens.shape[1], tokens.shape[0], config.num_heads
     mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask)
     i, j = np.arange(N)[:, None], np.arange(N)[None, :]
     dist = i - j
@@ -143,34 +163,53 @@ def reference_forward(params, tokens, config, gate=None, mask=None, kept=None):
     )(dist)
     x = p["embed"][tokens]
     for layer, lp in enumerate(p["layers"]):
+        memory = layer in config.active_memory_layers
         h = np_rms_norm(x, lp["attn_norm"])
         q = np_unit(np.einsum("bte,ehd->bthd", h, lp["wq"]))
         k = np_unit(np.einsum("bte,ehd->bthd", h, lp["wk"]))
         v = np.einsum("bte,ehd->bthd", h, lp["wv"])
-        dots = np.einsum("bihd,bjhd->bhij", q, k) * lp["qk_scale"][None, :, None, None]
+        scale = lp["qk_scale"][None, :, None, None]
+        dots = np.einsum("bihd,bjhd->bhij", q, k) * scale
         bias = np.transpose(lp["rel_bias"][buckets], (2, 0, 1))[None]
+        if memory and not config.memory_position_bias:
+            bias = np.zeros_like(bias)
         out = np.einsum("bhij,bjhd->bihd", np_softmax_masked(dots + bias, band), v)
-        if layer in config.active_memory_layers:
-            held = reference_memory(dots, mask, config)  # [B, H, N, N]
-            has = np.swapaxes(held.any(-1), 1, 2)[..., None]  # [B, N, H, 1]
-            mem = np.einsum("bhij,bjhd->bihd", np_softmax_masked(dots, held), v)
+        if memory:
+            cross = np.einsum("bihd,rjhd->bhirj", q, k) * scale[..., None]  # [B, H, N, B, N]
+            held, age = reference_memory(cross, mask, config, rows)  # [B, H, N, B, N]
+            has = np.swapaxes(held.any((-1, -2)), 1, 2)[..., None]  # [B, N, H, 1]
+            logits = (cross + age[:, None]).reshape(B, H, N, B * N)  # [B, H, N, B N]
+            chosen = held.reshape(B, H, N, B * N)
+            values = v.reshape(B * N, H, -1)  # [B N, H, D]: key row r, position j
             b = lp["gate_bias"][None, :, None, None]  # [1, H, 1, 1]
             if config.memory_combine == "joint":  # one softmax: the held keys (+ b_g), the band's
-                logits = np.concatenate([dots + b, dots + bias], axis=-1)  # [B, H, N, 2N]
-                seen = np.concatenate([held, np.broadcast_to(band, held.shape)], axis=-1)
-                weights = np_softmax_masked(logits, seen)  # key j twice: in memory, in the band
-                out = np.einsum("bhij,bjhd->bihd", weights[..., :N] + weights[..., N:], v)
-            elif config.memory_combine == "add":
-                out = out + mem * np.exp(lp["gate_bias"])[None, None, :, None] * has
+                seen = np.concatenate([chosen, np.broadcast_to(band, dots.shape)], axis=-1)
+                weights = np_softmax_masked(np.concatenate([logits + b, dots + bias], -1), seen)
+                out = np.einsum("bhij,jhd->bihd", weights[..., : B * N], values)
+                out = out + np.einsum("bhij,bjhd->bihd", weights[..., B * N :], v)
             else:
-                g = {"memory": 1.0, "local": 0.0, None: None}[gate]
-                g = (
-                    1 / (1 + np.exp(-lp["gate_bias"]))
-                    if g is None
-                    else np.full(config.num_heads, g)
-                )
-                g = g[None, None, :, None] * has  # [B, N, H, 1]
-                out = mem * g + out * (1 - g)
+                if config.memory_no_match:  # one more logit, of value 0: the share of nothing
+                    sink = np.broadcast_to(lp["no_match"][None, :, None, None], (B, H, N, 1))
+                    both = np_softmax_masked(
+                        np.concatenate([logits, sink], -1),
+                        np.concatenate([chosen, np.ones((B, H, N, 1), bool)], -1),
+                    )
+                    weights, share = both[..., :-1], 1 - both[..., -1]  # [B, H, N]
+                else:
+                    weights, share = np_softmax_masked(logits, chosen), np.ones((B, H, N))
+                mem = np.einsum("bhij,jhd->bihd", weights, values)  # held keys' part, unnormed
+                share = np.swapaxes(share, 1, 2)[..., None] * has  # [B, N, H, 1]
+                if config.memory_combine == "add":
+                    out = out + mem * np.exp(lp["gate_bias"])[None, None, :, None] * has
+                else:
+                    g = {"memory": 1.0, "local": 0.0, None: None}[gate]
+                    g = (
+                        1 / (1 + np.exp(-lp["gate_bias"]))
+                        if g is None
+                        else np.full(config.num_heads, g)
+                    )
+                    g = g[None, None, :, None]  # [1, 1, H, 1]
+                    out = g * mem * has + out * (1 - g * share)
         keep_attn, keep_ffn = (1.0, 1.0) if kept is None else kept[2 * layer : 2 * layer + 2]
         x = x + np.einsum("bthd,hde->bte", out, lp["wo"]) * keep_attn
         x = x + np_gelu(np_rms_norm(x, lp["ffn_norm"]) @ lp["w1"]) @ lp["w2"] * keep_ffn
@@ -183,8 +222,9 @@ def masked_loss(logits, targets, mask):
     return jnp.sum(mt.cross_entropy(logits, targets) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def stream(params, tokens, config, state=None, reset_first=True, ops=FAST, mask=None):
-    """Run the model segment by segment over tokens [B, N*T]; returns logits [B, N*T, V]."""
+def stream(params, tokens, config, state=None, reset_first=True, ops=FAST, mask=None, rng=None):
+    """Run the model segment by segment over tokens [B, N*T]; returns logits [B, N*T, V]. rng:
+    as in training (cross_batch applies)."""
     B, T = tokens.shape[0], config.segment_length
     state = mt.init_state(config, B) if state is None else state
     mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask)
@@ -193,7 +233,7 @@ def stream(params, tokens, config, state=None, reset_first=True, ops=FAST, mask=
         reset = jnp.full((B,), reset_first and n == 0)
         piece = slice(n * T, (n + 1) * T)
         logits, state = forward(
-            params, state, tokens[:, piece], reset, config, mask=mask[:, piece], ops=ops
+            params, state, tokens[:, piece], reset, config, mask=mask[:, piece], ops=ops, rng=rng
         )
         out.append(logits)
     return jnp.concatenate(out, axis=1), state
@@ -615,6 +655,111 @@ def test_memory_streaming_with_padding_and_eviction_equals_the_reference(params,
     cfg = SMALL.replace(exact_topk=exact, num_neighbors=K)
     assert exact or mt.bin_layout(K, cfg.memory_size, cfg.topk_recall_target)[1] > 1
     streamed_with_padding_and_eviction(randomize(params, 6), cfg, ops, 12)
+
+
+# ------------------------------------------------------------- beyond the paper: crowded memories
+def with_no_match(params, seed):
+    """params with a random 'no match' logit in each memory layer (memory_no_match)."""
+    rng = np.random.default_rng(seed)
+    layers = [
+        dict(p, no_match=jnp.asarray(rng.uniform(-1, 3, p["gate_bias"].shape), jnp.float32))
+        if "gate_bias" in p
+        else p
+        for p in params["layers"]
+    ]
+    return dict(params, layers=layers)
+
+
+@OPS
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "binned"])
+def test_the_age_bias_ranks_and_weighs_each_slot_by_the_tokens_since_it_was_written(
+    params, ops, exact
+):
+    """memory_age_bias beta: a slot's score, in the search and in the softmax over the retrieved
+    pairs, is lowered by beta log2(1 + age / T), its age counted in slots written back from the
+    query's segment (reference_memory). Twice the memory's length, with padding and eviction;
+    exact with k = M, or binned with k = 2, whose picks the bias changes."""
+    K = SMALL.memory_size if exact else 2
+    cfg = SMALL.replace(exact_topk=exact, num_neighbors=K, memory_age_bias=0.8)
+    params = randomize(params, 16)
+    tokens, mask, want = streamed_with_padding_and_eviction(params, cfg, ops, 17)
+    without = reference_forward(params, np.asarray(tokens), cfg.replace(memory_age_bias=0.0),
+                                mask=mask)
+    assert np.max(np.abs(want[mask] - without[mask])) > 1e-2  # the bias changes the model
+
+
+@OPS
+@pytest.mark.parametrize("combine", ["gate", "add"])
+def test_the_no_match_logit_gives_its_share_of_the_retrieved_softmax_to_the_local_result(
+    params, ops, combine
+):
+    """memory_no_match: one more logit, b_nm per head, in the softmax over the retrieved pairs,
+    whose value is nothing: the retrieved result keeps the held pairs' share of it, and with the
+    gate the rest goes back to the local result (reference_forward). k = M, with eviction."""
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size, memory_no_match=True,
+                        memory_combine=combine)
+    params = with_no_match(randomize(mt.init_params(cfg, jax.random.PRNGKey(8)), 8), 9)
+    memory_layers = [p for p in params["layers"] if "gate_bias" in p]
+    assert all(p["no_match"].shape == (cfg.num_heads,) for p in memory_layers)
+    tokens, mask, want = streamed_with_padding_and_eviction(params, cfg, ops, 18)
+    plain = cfg.replace(memory_no_match=False)
+    assert np.max(np.abs(want - reference_forward(params, np.asarray(tokens), plain))) > 1e-2
+
+
+@OPS
+def test_without_the_memory_position_bias_the_memory_layer_attends_locally_without_t5(params, ops):
+    """memory_position_bias False (meliad's 2025 memory configuration): the memory layer's local
+    attention has no T5 bias; the other layers keep theirs."""
+    cfg = SMALL.replace(exact_topk=True, num_neighbors=SMALL.memory_size,
+                        memory_position_bias=False)
+    params = randomize(params, 19)
+    tokens, mask, want = streamed_with_padding_and_eviction(params, cfg, ops, 20)
+    kept = reference_forward(params, np.asarray(tokens), cfg.replace(memory_position_bias=True))
+    assert np.max(np.abs(want - kept)) > 1e-2
+
+
+@OPS
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "binned"])
+def test_in_training_cross_batch_searches_the_next_rows_memories_as_one_memory(params, ops, exact):
+    """cross_batch 2 (the Focused Transformer's cross-batch), in training (rng given): each row's
+    search covers its memory and the next row's, which holds another document, as one memory of
+    2 M slots, with the age bias; evaluation (rng None) searches the row's own. Exact:
+    each held pair ranked exactly, k = M of them; binned: k = 2 of the 2 M slots, the
+    reference's binned top-k."""
+    K = SMALL.memory_size if exact else 2
+    cfg = SMALL.replace(exact_topk=exact, num_neighbors=K, cross_batch=2, memory_age_bias=0.5)
+    params = randomize(params, 21)
+    segments = 2 * cfg.memory_size // cfg.segment_length + 2
+    tokens = random_tokens(22, cfg, 2, segments)
+    mask = padded_document_mask(cfg, segments)
+    got, _ = stream(params, tokens, cfg, ops=ops, mask=mask, rng=jax.random.PRNGKey(0))
+    want = reference_forward(params, np.asarray(tokens), cfg, mask=mask, rows=2)
+    np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=2e-4, rtol=2e-4)
+    own, _ = stream(params, tokens, cfg, ops=ops, mask=mask)
+    alone = reference_forward(params, np.asarray(tokens), cfg, mask=mask)
+    np.testing.assert_allclose(np.asarray(own)[mask], alone[mask], atol=2e-4, rtol=2e-4)
+    assert np.max(np.abs(want[mask] - alone[mask])) > 1e-2  # the other row's memory counts
+
+
+def test_with_other_rows_concatenates_each_rows_memory_with_the_next_ones_in_order():
+    """Row b of the result holds rows b, b + 1, ..., b + d - 1 (mod B) along the slot axis."""
+    x = np.arange(4 * 3 * 2).reshape(4, 3, 2)  # [B, M, 2]
+    got = np.asarray(mt.with_other_rows(jnp.asarray(x), 3, axis=1))  # [B, 3 M, 2]
+    for b in range(4):
+        np.testing.assert_array_equal(got[b], np.concatenate([x[(b + o) % 4] for o in range(3)]))
+
+
+def test_the_age_bias_is_minus_beta_log2_of_one_plus_the_age_over_t_from_the_write_position():
+    """Explicit loops: slot s, with the write position p, was written (p - 1 - s) mod M + 1
+    tokens before the segment that searches it."""
+    cfg = SMALL.replace(memory_age_bias=0.7)
+    M, T = cfg.memory_size, cfg.segment_length
+    pos = jnp.asarray([0, T, 3 * T])
+    got = np.asarray(mt.age_bias(pos, M, cfg))
+    for b, p in enumerate([0, T, 3 * T]):
+        for slot in range(M):
+            age = (p - 1 - slot) % M + 1
+            assert abs(got[b, slot] + 0.7 * math.log2(1 + age / T)) < 1e-5
 
 
 @OPS

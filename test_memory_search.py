@@ -26,12 +26,14 @@ SEARCHES = {
 }
 
 
-def search(name, q, mk, valid, cfg):
-    """SEARCHES[name] of q [B, T, H, D] (the references' layout), jitted: numpy scores and slots."""
+def search(name, q, mk, valid, cfg, bias=None):
+    """SEARCHES[name] of q [B, T, H, D] (the references' layout), jitted: numpy scores and slots.
+    bias [B, M]: added to every slot's score."""
     f = SEARCHES[name]
     f = f if name == "plain" else functools.partial(f, chunk=cfg.memory_chunk)  # cfg's pieces
     f = jax.jit(f, static_argnums=4)
-    return tuple(map(np.asarray, f(heads_first(q), mk, valid, jnp.ones(q.shape[2]), cfg)))
+    scale = jnp.ones(q.shape[2])
+    return tuple(map(np.asarray, f(heads_first(q), mk, valid, scale, cfg, bias=bias)))
 
 
 # ----------------------------------------------------------------------------- exact search
@@ -43,7 +45,7 @@ def search(name, q, mk, valid, cfg):
 )
 def test_exact_memory_search_equals_numpy_top_k(seed, fill, name):
     """The kernel's in pieces of 16 slots: each piece's top-k are candidates for the top-k of
-    all."""
+    all. Each slot's score has its bias added (the age bias)."""
     rng = np.random.default_rng(seed)
     cfg = SMALL.replace(exact_topk=True, memory_size=64, memory_chunk=16)
     B, T, H, D, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, 64, cfg.num_neighbors
@@ -51,8 +53,10 @@ def test_exact_memory_search_equals_numpy_top_k(seed, fill, name):
     mk = rng.standard_normal((B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = search(name, q, mk, valid, cfg)
-    s = np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf)
+    bias = rng.uniform(-2, 0, (B, M)).astype(np.float32)
+    scores, slots = search(name, q, mk, valid, cfg, bias)
+    s = np.einsum("bthd,bhmd->bhtm", q, mk) + bias[:, None, None, :]
+    s = np.where(valid[:, None, None, :], s, -np.inf)
     want = np.sort(s, axis=-1)[..., ::-1][..., :K]
     got = np.where(
         np.take_along_axis(np.broadcast_to(valid[:, None, None, :], s.shape), slots, -1),
@@ -70,21 +74,20 @@ def test_exact_memory_search_equals_numpy_top_k(seed, fill, name):
 
 
 # ----------------------------------------------------------------------------- approximate top-k
-def integer_search(rng, cfg, fill, name):
+def integer_search(rng, cfg, fill, name, biased=False):
     """The binned search of two batch rows with `fill` valid slots (the same in both), on small
-    integer queries and keys: integer scores, many of them equal, which no key rounds. Returns its
-    scores and slots [B, H, T, K], and numpy's scores [B, H, T, M] (-inf where invalid)."""
+    integer queries and keys: integer scores, many of them equal, which no key rounds; biased: a
+    small integer bias for each slot. Returns its scores and slots [B, H, T, K], and numpy's
+    scores [B, H, T, M] (-inf where invalid)."""
     B, T, H, D, M = 2, cfg.segment_length, cfg.num_heads, cfg.head_dim, cfg.memory_size
     q = rng.integers(-2, 3, (B, T, H, D)).astype(np.float32)
     mk = rng.integers(-2, 3, (B, H, M, D)).astype(np.float32)
     valid = np.zeros((B, M), bool)
     valid[:, rng.choice(M, fill, replace=False)] = True
-    scores, slots = search(name, q, mk, valid, cfg)
-    return (
-        scores,
-        slots,
-        np.where(valid[:, None, None, :], np.einsum("bthd,bhmd->bhtm", q, mk), -np.inf),
-    )
+    bias = rng.integers(-3, 1, (B, M)).astype(np.float32) if biased else None
+    scores, slots = search(name, q, mk, valid, cfg, bias)
+    s = np.einsum("bthd,bhmd->bhtm", q, mk) + (0 if bias is None else bias[:, None, None, :])
+    return scores, slots, np.where(valid[:, None, None, :], s, -np.inf)
 
 
 @SETTINGS
@@ -111,18 +114,23 @@ def test_binned_memory_search_with_one_slot_per_bin_is_the_exact_top_k(seed, fil
     fill=st.sampled_from([5, 40, 300, 1024]),
     chunk=st.sampled_from([4, 32, 512]),
     name=st.sampled_from(sorted(SEARCHES)),
+    biased=st.booleans(),
 )
-@example(seed=2, fill=1024, chunk=512, name="kernel")  # pieces of 4 whole rows
-def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(seed, fill, chunk, name):
+@example(seed=2, fill=1024, chunk=512, name="kernel", biased=False)  # pieces of 4 whole rows
+@example(seed=3, fill=300, chunk=32, name="kernel", biased=True)
+def test_binned_memory_search_equals_numpy_top_k_of_interleaved_bin_maxima(
+    seed, fill, chunk, name, biased
+):
     """Slot s is in bin s mod G; the answer is the exact top-k of the G bins' best valid slots, the
     lower bin first among equal maxima, and of a bin's equal best slots the lowest (integer scores,
     many of them equal, which no key rounds). The memory is 8 rows of G = 128 slots; the kernel
-    scores it in pieces of 4 or 32 slots of one row, or of 4 whole rows."""
+    scores it in pieces of 4 or 32 slots of one row, or of 4 whole rows. biased: each slot's score
+    has its bias added (the age bias), in the search and in the scores returned."""
     cfg = SMALL.replace(memory_size=1024, memory_chunk=chunk)
     B, T, H, M, K = 2, cfg.segment_length, cfg.num_heads, cfg.memory_size, cfg.num_neighbors
     G = mt.num_topk_bins(K, M, cfg.topk_recall_target)
     assert G == 128  # bins of 8 slots
-    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, name)
+    scores, slots, s = integer_search(np.random.default_rng(seed), cfg, fill, name, biased)
     valid = np.isfinite(s[:, 0, 0])  # [B, M]
     best, best_slot = np.full((B, H, T, G), -np.inf), np.zeros((B, H, T, G), int)
     for slot in range(

@@ -3,6 +3,7 @@ a cache's file; config.json is read strictly; a cache that cannot be read is reb
 stdout or stderr keeps the command's exit code; a prompt file is read as a corpus file is; a run's
 tokenizer is held to it. The fixtures `cache` and `finished_run` are conftest.py's."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import pytest
 
 import corpora
 import data
+import presets
 import runs
 from conftest import child_env
 from test_cli import assert_refused, call, snapshot
@@ -98,8 +100,6 @@ def test_an_output_never_replaces_a_runs_files_nor_a_file_in_a_corpus_or_a_cache
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda c: c.pop("segment_length"), "has no field segment_length"),
-        (lambda c: c.pop("memory_layers"), "has no field memory_layers"),
         (
             lambda c: c.update(xl_cache="false"),
             'the field xl_cache must be true or false, got "false"',
@@ -143,25 +143,31 @@ def test_a_runs_config_is_read_strictly(tmp_path, finished_run, cache, capsys, e
     assert snapshot(run) == before
 
 
+@pytest.mark.parametrize(
+    "fields", [("init_gate_bias", "attention"), ("memory_age_bias",), ("dropout", "cross_batch")]
+)
 def test_a_run_written_before_a_field_was_added_is_read_with_its_default_and_a_note(
-    tmp_path, finished_run, capsys
+    tmp_path, finished_run, capsys, fields
 ):
-    """A run from before --init-gate-bias and --attention lacks those fields: read with their
-    defaults (the older versions' behaviour), and one line says so."""
+    """A run from before a Config field existed lacks it: read with its default (what the code
+    did before the field), and one line says so. No list names such fields: any of them."""
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     saved = json.loads((run / "config.json").read_text())
-    for name in ("init_gate_bias", "attention"):
+    for name in fields:
         saved["config"].pop(name)
     (run / "config.json").write_text(json.dumps(saved))
     code, out, err = call(
         "evaluate", ["perplexity", str(run), "--eval-docs", "1", "--eval-tokens", "64"], capsys
     )
     assert code == 0 and out.startswith("memory 64: perplexity"), err
+    names = sorted(fields)
+    known = {f.name: f.default for f in dataclasses.fields(presets.RunConfig)}
+    s = "s" * (len(names) > 1)
+    defaults = ", ".join(f"{n} {known[n]!r}" for n in names)
     assert err == (
-        f"note: {run / 'config.json'} was written before the fields attention, init_gate_bias: "
-        "read with the "
-        f"defaults, attention 'explicit', init_gate_bias 0.0.\n"
+        f"note: {run / 'config.json'} was written before the field{s} {', '.join(names)}: read "
+        f"with the default{s}, {defaults}.\n"
     )
 
 

@@ -38,12 +38,6 @@ import runs
 
 # ----------------------------------------------------------------------------- what is trained
 DATA = ["--data", "--data-format", "--suffixes", "--min-doc-tokens"]
-MODEL = ["--vocab-size", "--d-model", "--num-layers", "--num-heads", "--head-dim", "--d-ff"]
-TRAINING = ["--steps", "--batch-size", "--grad-accum", "--segment-length", "--memory-size"]
-TRAINING += ["--num-neighbors", "--lr", "--init-prev-token-bias", "--init-gate-bias"]
-TRAINING += ["--warmup-steps", "--memory-layers", "--xl-cache", "--num-buckets", "--max-distance"]
-TRAINING += ["--exact-topk", "--topk-recall-target", "--dtype", "--memory-dtype"]
-TRAINING += ["--memory-combine", "--dropout", "--memory-chunk", "--attention", "--seed"]
 RUN = ["--out", "--resume", "--init-from", "--fresh-start", "--log-every", "--eval-every"]
 RUN += ["--save-every", "--eval-docs", "--eval-tokens", "--curve-tokens", "--valid-fraction"]
 RUN += ["--tokenizer", "--cache-dir"]
@@ -58,7 +52,7 @@ def build_parser():
         "unset takes the --preset's value (with --init-from, that run's, unless --preset is "
         "given)."
     )
-    cli.add(p, ["--preset"] + DATA + MODEL + TRAINING + RUN)
+    cli.add(p, ["--preset"] + DATA + cli.CONFIG_FLAGS + RUN)
     several = p.add_argument_group(
         "several processes (one per host; README)",
         "each process runs the same command but its --process-id; started by SLURM's srun, its "
