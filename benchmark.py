@@ -56,7 +56,7 @@ OPS = ("fast", "plain")  # --ops: kernels.fast with the config's knobs, or the m
 
 
 def ops_of(c, name):
-    return kernels.fast(c.memory_chunk, c.attention) if name == "fast" else mt.PLAIN
+    return kernels.of(c.replace(ops=name))
 
 
 def train_flops(c, batch, memory_size):
@@ -907,7 +907,8 @@ def build_parser():
     return p
 
 
-DEFAULTS = {"--memory-sizes": "0,8192,65536", "--dtype": "float32", "--attention": "explicit"}
+DEFAULTS = {"--memory-sizes": "0,8192,65536", "--dtype": "float32", "--attention": "explicit",
+            "--ops": "fast"}
 
 
 def main(argv=None):

@@ -423,13 +423,6 @@ FLAGS = [
         "timed steps per row (median reported)",
     ),
     Flag(
-        "--ops",
-        ("fast", "plain"),
-        "fast",
-        """the model's pieces: kernels.FAST, or the plain ones of
-        memorizing_transformer.py (what the kernels buy)""",
-    ),
-    Flag(
         "--profile DIR",
         path_arg,
         None,

@@ -46,7 +46,12 @@ import train
 
 # ----------------------------------------------------------------------------- loading a run
 # The fields a run may be evaluated with other than its own: they change no parameter.
-EVAL_FIELDS = ("exact_topk", "num_neighbors", "memory_age_bias")
+EVAL_FIELDS = ("exact_topk", "num_neighbors", "memory_age_bias", "ops")
+
+
+def eval_changes(args):
+    """The EVAL_FIELDS that the command line gives: {field: value}."""
+    return {k: getattr(args, k) for k in EVAL_FIELDS if getattr(args, k, None) is not None}
 
 
 def load_run(run_dir, memory_size=None, changes=None):
@@ -82,8 +87,7 @@ def load_run(run_dir, memory_size=None, changes=None):
     ):  # (a checkpoint from before has none)
         raise cli.UsageError(
             f"{tokenizer} is not the tokenizer the run in {run_dir} was trained with (its "
-            "checkpoint "
-            f"records another): its ids would mean other words; restore the run's own."
+            "checkpoint records another): its ids would mean other words; restore the run's own."
         )
     # A run trained without memory, evaluated with one, gets fresh gates (g = 0.5): only then
     # are parameters initialized; otherwise their shapes are the template (no compile, no work).
@@ -134,9 +138,8 @@ def validation_docs(args, run_args, sp, config):
     if known and data.fingerprint([t for t, _ in kept]) != known:
         cli.say(
             f"note: the validation documents of {source} are not those of the run's checkpoint "
-            "(the corpus, or "
-            "the run's tokenizer, changed since): these numbers are for the documents as they are "
-            "now."
+            "(the corpus, or the run's tokenizer, changed since): these numbers are for the "
+            "documents as they are now."
         )
     return [t for t, _ in kept], [r for _, r in kept]
 
@@ -194,7 +197,7 @@ def cmd_score(args):
     slot; the memorized band's loss both ways."""
     # --memory-size: the run's M, or with --load-memory the slots to grow the file's to
     size = None if args.load_memory else args.memory_size
-    changes = {k: getattr(args, k) for k in EVAL_FIELDS if getattr(args, k, None) is not None}
+    changes = eval_changes(args)
     config, params, sp, run_args = load_run(args.run_dir, size, changes)
     config, start, memory = load_memory(args, config, params, args.memory_size)
     docs = documents_to_score(args, run_args, sp, config)
@@ -276,7 +279,7 @@ def cmd_perplexity(args):
         return cmd_score(args)
     if args.csv:
         raise cli.UsageError("--csv (a row per target) goes with --load-memory or --score.")
-    changes = {k: getattr(args, k) for k in EVAL_FIELDS if getattr(args, k, None) is not None}
+    changes = eval_changes(args)
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size, changes)
     docs, refs = validation_docs(args, run_args, sp, config)
     eval_docs = args.eval_docs or run_args["eval_docs"]
@@ -359,8 +362,8 @@ def cmd_compare(args):
         raise cli.UsageError(f"--memory-sizes takes two sizes A,B for compare, got {sizes}.")
     a, b = args.memory_sizes
     # Each size has its own parameters: a memory size of 0 has no gates, a memory one needs them.
-    config_a, params_a, sp, run_args = load_run(args.run_dir, a)
-    config_b, params_b, _, _ = load_run(args.run_dir, b)
+    config_a, params_a, sp, run_args = load_run(args.run_dir, a, eval_changes(args))
+    config_b, params_b, _, _ = load_run(args.run_dir, b, eval_changes(args))
     doc, _ = _doc(args, run_args, sp, config_a)
     print(
         f"memory {a} vs {b}: evaluating validation document {args.doc} ({len(doc) - 1} tokens) "
@@ -409,8 +412,7 @@ def cmd_compare(args):
             sel = np.array([x == g for x in groups])
             print(
                 f"  {g:<14} {sel.sum():7d} tokens ({sel.mean():6.1%})  mean delta "
-                f"{delta[sel].mean():+.4f}"
-                f"  improved {np.mean(delta[sel] > 0):6.1%}"
+                f"{delta[sel].mean():+.4f}  improved {np.mean(delta[sel] > 0):6.1%}"
             )
     if args.plot:
         try:
@@ -482,7 +484,7 @@ class Sources:
 
 
 def cmd_inspect(args):
-    config, params, sp, run_args = load_run(args.run_dir)
+    config, params, sp, run_args = load_run(args.run_dir, None, eval_changes(args))
     if not config.active_memory_layers:
         raise cli.UsageError(f"{args.run_dir} has no memory to inspect.")
     config, start, memory = load_memory(args, config, params)
@@ -523,7 +525,8 @@ def cmd_recall(args):
     """Recall of the approximate top-k on the real queries and keys of a trained model: the same
     document streamed with approximate and exact top-k (the memory's contents do not depend on
     which: the memory layer's keys come from the layers below it)."""
-    config, params, sp, run_args = load_run(args.run_dir, args.memory_size)
+    changes = eval_changes(args)
+    config, params, sp, run_args = load_run(args.run_dir, args.memory_size, changes)
     if not config.active_memory_layers:
         raise cli.UsageError(f"{args.run_dir} has no memory.")
     if args.dtype:  # e.g. a float32 run's weights with bfloat16 keys, queries and scores
@@ -567,8 +570,8 @@ def cmd_recall(args):
     }
     print(
         f"memory {config.memory_size}, k {K}, {bins} bins: recall {result['recall']:.4f} on "
-        f"{result['retrievals']} "
-        f"real queries x heads (random unit vectors: {result['expected_random']:.4f} expected)"
+        f"{result['retrievals']} real queries x heads (random unit vectors: "
+        f"{result['expected_random']:.4f} expected)"
     )
     if args.json:
         runs.write_output(args.json, runs.json_text(result))
@@ -655,7 +658,7 @@ def script_json(value):
 
 
 def cmd_explore(args):
-    config, params, sp, run_args = load_run(args.run_dir)
+    config, params, sp, run_args = load_run(args.run_dir, None, eval_changes(args))
     if not config.active_memory_layers:
         raise cli.UsageError(f"{args.run_dir} has no memory to explore.")
     config, start, memory = load_memory(args, config, params)
@@ -672,9 +675,8 @@ def cmd_explore(args):
     s = page["summary"]
     print(
         f"{args.html}: {'document' if args.score else 'validation document'} {args.doc}, "
-        f"{s['tokens']} tokens, loss {s['loss']:.4f} "
-        "(memory off "
-        f"{s['loss_memory_off']:.4f}), {s['improved']:.1%} of tokens improved by the memory"
+        f"{s['tokens']} tokens, loss {s['loss']:.4f} (memory off {s['loss_memory_off']:.4f}), "
+        f"{s['improved']:.1%} of tokens improved by the memory"
     )
     return 0
 
@@ -691,7 +693,7 @@ def cmd_curve(args):
     The bands are fixed at --band-memory's reach (default: the run's M), so that every size is
     scored on the same tokens."""
     sizes = args.memory_sizes
-    changes = {k: getattr(args, k) for k in EVAL_FIELDS if getattr(args, k, None) is not None}
+    changes = eval_changes(args)
     config, params, sp, run_args = load_run(args.run_dir, None, changes)
     if not config.active_memory_layers:
         raise cli.UsageError(f"{args.run_dir} has no memory: its curve is flat.")
@@ -868,23 +870,20 @@ def cmd_reach(args):
     if probe_tokens > REACH_MAX_TOKENS:  # (generated in memory before the first row)
         raise cli.UsageError(
             f"--docs {args.docs} and --distances {','.join(map(str, args.distances))} ask for "
-            "about "
-            f"{probe_tokens:,} tokens of probe documents; reach makes at most {REACH_MAX_TOKENS:,} "
-            f"(its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,})."
+            f"about {probe_tokens:,} tokens of probe documents; reach makes at most "
+            f"{REACH_MAX_TOKENS:,} (its defaults, 8 and 1024,4096,16384,61440: {8 * 82944:,})."
         )
     if min(args.memory_sizes) < 1:
         raise cli.UsageError("--memory-sizes takes positive sizes for reach: each is a memory.")
     if len(set(args.memory_sizes)) < len(args.memory_sizes):  # each names rows of the table
         sizes = ",".join(map(str, args.memory_sizes))
         raise cli.UsageError(f"--memory-sizes names a value twice: {sizes}.")
-    config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0])
-    if args.exact_topk is not None:
-        config = config.replace(exact_topk=args.exact_topk)
+    changes = eval_changes(args)
+    config, params, sp, run_args = load_run(args.run_dir, args.memory_sizes[0], changes)
     if not corpora.is_synthetic(run_args["data"]):
         raise cli.UsageError(
             f"{args.run_dir} was trained on {run_args['data']!r}: reach probes the synthetic "
-            "task's "
-            f"bindings, so it needs a run trained with --data synthetic."
+            "task's bindings, so it needs a run trained with --data synthetic."
         )
     configs = []
     for m in args.memory_sizes:  # every size checked before anything runs
@@ -900,8 +899,7 @@ def cmd_reach(args):
     chance = math.log(len(corpora.SYNTHETIC_VALUES))
     print(
         f"{'distance':>8} {'memory':>7} {'in reach':>9} {'far loss':>9} {'memory off':>11} "
-        f"{'tokens':>7} "
-        f"{'mean distance':>14} {'seconds':>8}",
+        f"{'tokens':>7} {'mean distance':>14} {'seconds':>8}",
         flush=True,
     )
     rows = []
@@ -952,11 +950,10 @@ def cmd_reach(args):
                 flush=True,
             )
     print(
-        f"far loss: nats on the probes, values last seen once, about `distance` tokens back, in "
+        "far loss: nats on the probes, values last seen once, about `distance` tokens back, in "
         f"{corpora.plural(args.docs, 'document')} per distance; chance (a uniform guess over the "
-        f"{len(corpora.SYNTHETIC_VALUES)} values) is "
-        f"{chance:.2f}; in reach: the share of probes whose definition the memory (or the window) "
-        "holds."
+        f"{len(corpora.SYNTHETIC_VALUES)} values) is {chance:.2f}; in reach: the share of probes "
+        "whose definition the memory (or the window) holds."
     )
     if args.json:
         runs.write_output(args.json, runs.json_text(rows))
@@ -1156,8 +1153,7 @@ def cmd_table(args):
         )
     print(
         f"ceiling: the share of the {len(distances)} validation tokens whose 3-token context last "
-        "occurred "
-        f"beyond the window (segment + XL cache) but within the row's memory"
+        "occurred beyond the window (segment + XL cache) but within the row's memory"
     )
     runs.atomic_write(os.path.join(args.out_root, "table.json"), runs.json_text(rows))
     return 0
@@ -1264,8 +1260,7 @@ def cmd_finetune(args):
     fmt = lambda rec, c: "-" if rec is None or cols[c] not in rec else f"{rec[cols[c]]:.3f}"
     print(
         "\nloss on the references by distance (synthetic data), or validation loss; fine-tuning "
-        "starts after step "
-        f"{args.pretrain_steps}"
+        f"starts after step {args.pretrain_steps}"
     )
     print(
         f"{'step':>6} | "
@@ -1337,6 +1332,7 @@ def build_parser():
         s[name] = sub.add_parser(name, help=text, description=text)
     for name in ("perplexity", "curve", "compare", "inspect", "explore", "recall", "reach"):
         cli.add(s[name], ["run_dir"])
+        cli.add(s[name], ["--ops"], unset="the run's")
     for name in ("perplexity", "curve", "compare", "inspect", "explore", "recall"):
         cli.add(s[name], OF_RUN, unset="the run's")
     cli.add(s["curve"], ["--memory-sizes"], CURVE_DEFAULTS)

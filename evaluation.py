@@ -50,7 +50,7 @@ def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=N
     evaluation, evaluate.py, sample.py and memorize.py: (params, state, batch) ->
     Scored. donate=False keeps the state given. ops: kernels.fast with the
     config's knobs, unless given."""
-    ops = ops or kernels.fast(config.memory_chunk, config.attention)
+    ops = ops or kernels.of(config)
 
     def step(params, state, batch):
         tokens, reset, mask = batch["tokens"], batch["reset"], batch["mask"]

@@ -446,3 +446,9 @@ def fast(memory_chunk=1024, attention="explicit"):
 
 
 FAST = fast()
+
+
+def of(config):
+    """The pieces a run computes with: the model file's own (config.ops "plain"), or these, with
+    the run's knobs."""
+    return mt.PLAIN if config.ops == "plain" else fast(config.memory_chunk, config.attention)

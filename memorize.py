@@ -51,7 +51,7 @@ def build_parser():
     cli.add(p, ["--memory-size"], unset="every memorized token, and the run's M free",
             helps={"--memory-size": "slots of the memory file, a positive multiple of T; fewer "
                    "than the tokens keeps the last ones (FIFO)"})
-    cli.add(p, ["--memory-dtype"], unset="the run's")
+    cli.add(p, ["--memory-dtype", "--ops"], unset="the run's")
     return p
 
 
@@ -111,7 +111,7 @@ def key_step(config, layers, dtype):
     """(params, state, tokens [1, T], mask [1, T], reset [1]) -> (the new state, the
     segment's keys and values in `layers`, [2, Lm, H, T, D] in `dtype`); the logits are never
     computed (nothing reads them, so XLA leaves them out)."""
-    ops = kernels.fast(config.memory_chunk, config.attention)
+    ops = kernels.of(config)
 
     def step(params, state, tokens, mask, reset):
         _, state = mt.forward(params, state, tokens, reset, config, mask=mask, ops=ops)
@@ -223,7 +223,7 @@ def progress_line(started, T, source):
 
 def run(args):
     check_paths(args)
-    config, params, sp, _ = evaluate.load_run(args.run_dir)
+    config, params, sp, _ = evaluate.load_run(args.run_dir, None, evaluate.eval_changes(args))
     if not config.active_memory_layers:
         raise cli.UsageError(f"the run in {args.run_dir} has no memory layer: there is "
                              "nothing to memorize with.")
@@ -235,7 +235,7 @@ def run(args):
     show = progress_line(started, config.segment_length, source)
     arrays, position, dropped = memorize(params, config, source, slots, dtype, show)
     header = {
-        "format": "memorizing-transformer memory",
+        "format": memory_file.FORMAT,
         "config": dataclasses.asdict(config),
         "params_hash": memory_file.params_hash(params),
         "tokenizer_hash": data.file_hash(os.path.join(args.run_dir, "tokenizer.model")),

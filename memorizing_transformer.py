@@ -19,13 +19,14 @@ NEG_INF = -1e30  # a finite "minus infinity": masked logits never make NaN gradi
 
 # ----------------------------------------------------------------------------- config
 def knob(default, rule, help):
-    """A field of Config: its default, the rule its value meets, and its --help line. Each field
-    is a train.py flag and a config.json entry by itself (cli.py and runs.py read these)."""
+    """Declare a field of Config with its default, the rule its value meets, and its --help
+    line. Each field becomes a train.py flag and a config.json entry by itself (cli.py and
+    runs.py read these)."""
     return dataclasses.field(default=default, metadata={"rule": rule, "help": help})
 
 
 def rule(ok, words, choices=None):
-    """A knob's rule: None where ok(value), else why not ("must be ..., got ...")."""
+    """Make a knob's rule, which returns None where ok(value) holds, else why not."""
     check = lambda x: None if ok(x) else f"must be {words}, got {x!r}"
     check.choices = choices  # a flag with choices shows them
     return check
@@ -56,7 +57,8 @@ def one_of(*allowed):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The model; the defaults are Sec. 4.2's. Training's fields are presets.RunConfig's."""
+    """Config holds the model's fields, whose defaults are Sec. 4.2's; presets.RunConfig adds
+    training's."""
 
     vocab_size: int = knob(
         32768, positive, "SentencePiece vocabulary size V")
@@ -71,11 +73,11 @@ class Config:
     d_ff: int = knob(
         4096, positive, "hidden width F of the feed-forward blocks")
     segment_length: int = knob(
-        512, positive, "tokens per segment T, and of the XL cache")
+        512, positive, "tokens per segment T (also the XL cache's length)")
     xl_cache: bool = knob(
         True, switch, "Transformer-XL cache of the previous segment")
     memory_layers: tuple = knob(
-        (8,), indices, "the kNN layers' 0-based indices, e.g. 1,3")
+        (8,), indices, "0-based indices of the kNN layers, e.g. 8 or 1,3")
     memory_size: int = knob(
         8192, count, "memory slots M per row and head; 0 = no memory")
     num_neighbors: int = knob(
@@ -83,31 +85,34 @@ class Config:
     num_buckets: int = knob(
         32, positive, "buckets of the T5 relative position bias")
     max_distance: int = knob(
-        128, positive, "the T5 bias's last bucket starts here")
+        128, positive, "the T5 bias's farthest bucket begins at this distance")
     exact_topk: bool = knob(
-        False, switch, "the exact top-k, not Sec. 3.3's binned one")
+        False, switch, "the exact top-k instead of Sec. 3.3's binned approximation")
     topk_recall_target: float = knob(
-        0.95, fraction, "the binned top-k's recall, sets its bins")
+        0.95, fraction, "the binned top-k's expected recall; it sets the bins")
     dtype: str = knob(
-        "float32", one_of("float32", "bfloat16"), "activations and matmuls")
+        "float32", one_of("float32", "bfloat16"),
+        "activations and matmuls (params and the loss stay float32)")
     memory_dtype: str = knob(
-        None, one_of(None, "float32", "bfloat16"), "memory and XL cache")
+        None, one_of(None, "float32", "bfloat16"),
+        "storage of the memory and XL cache (default: dtype)")
     init_prev_token_bias: float = knob(
-        0.0, finite, "T5 bias at distance 1, half of layer 0")
+        0.0, finite, "T5 bias at distance 1 in half of layer 0's heads, at the start")
     init_gate_bias: float = knob(
-        0.0, finite, "b_g at the start (0: g = 0.5, the paper's)")
+        0.0, finite, "b_g at the start; g = sigmoid(b_g) (0: g = 0.5, the paper's)")
     memory_combine: str = knob(
-        "gate", one_of("gate", "add", "joint"), "how the results mix")
+        "gate", one_of("gate", "add", "joint"),
+        "gate (Eqs. 1-2), add (their sum) or joint (one softmax)")
     dropout: float = knob(
-        0.0, rate, "training: each block's output zeroed at this rate")
+        0.0, rate, "in training, the rate at which each block's output is zeroed")
     memory_age_bias: float = knob(
-        0.0, non_negative, "beta of the slots' age bias (0: none)")
+        0.0, non_negative, "beta: each slot's score falls by beta log2(1 + age / T)")
     memory_no_match: bool = knob(
-        False, switch, "a learned 'no match' logit (gate, add)")
+        False, switch, "a learned 'no match' logit in the retrieved softmax")
     memory_position_bias: bool = knob(
-        True, switch, "memory layers keep their T5 bias")
+        True, switch, "the memory layers' local attention keeps its T5 bias")
     cross_batch: int = knob(
-        1, positive, "training: rows whose memories each row searches")
+        1, positive, "in training, each row also searches the next d - 1 rows' memories")
 
     def __post_init__(self):
         object.__setattr__(self, "memory_layers", tuple(self.memory_layers))  # JSON gives a list
@@ -115,7 +120,7 @@ class Config:
 
     @property
     def active_memory_layers(self):
-        """The kNN-augmented layers; none when memory_size is 0."""
+        """Return the kNN-augmented layers, none when memory_size is 0."""
         return tuple(sorted(self.memory_layers)) if self.memory_size else ()
 
     @property
@@ -131,7 +136,7 @@ class Config:
 
 
 def check_config(c):
-    """Check each field by its rule, then the fields together. Each failure is refused in one
+    """Check each field by its rule, then the fields together; refuse a failure in one
     sentence that names the field."""
     for field in dataclasses.fields(c):
         problem = field.metadata["rule"](getattr(c, field.name))
@@ -162,8 +167,8 @@ def check(ok, message):
 
 # ----------------------------------------------------------------------------- state and parameters
 class State(NamedTuple):
-    """What is carried from one segment to the next; every leaf is batch-leading. P = T where
-    there is an XL cache or a memory, else 0."""
+    """State carries what one segment passes to the next; every leaf is batch-leading. P = T
+    where there is an XL cache or a memory, else 0."""
     prev_k: jax.Array  # [B, L, H, P, D] the last segment's keys: the XL cache, the next append
     prev_v: jax.Array  # [B, L, H, P, D]
     prev_valid: jax.Array  # [B, P] bool: False for padding and before a document start
@@ -192,7 +197,8 @@ def init_state(config, batch_size):
 
 
 def init_params(config, rng):
-    """Nested dicts of float32 arrays; the README explains each choice."""
+    """Initialize the parameters, nested dicts of float32 arrays; the README explains each
+    choice."""
     c, E, H, D, F = config, config.d_model, config.num_heads, config.head_dim, config.d_ff
     # One key for each normal() below: six matrices a layer, then the embedding and the output.
     keys = iter(jax.random.split(rng, 6 * c.num_layers + 2))
@@ -240,25 +246,26 @@ def rms_norm(x, w):
 
 
 def l2_normalize(x):
-    """Sec. 3.2: queries and keys become unit vectors along D."""
+    """Sec. 3.2: make queries and keys unit vectors along D."""
     x32 = x.astype(jnp.float32)
     square = jnp.sum(x32 * x32, axis=-1, keepdims=True)
     return (x32 * jax.lax.rsqrt(square + 1e-6)).astype(x.dtype)
 
 
 def scale_queries(q, scale):
-    """Sec. 3.2: the unit queries [B, H, T, D] times the learned per-head scale [H]."""
+    """Sec. 3.2: multiply the unit queries [B, H, T, D] by the learned per-head scale [H]."""
     return q * scale.astype(q.dtype)[None, :, None, None]
 
 
 def precision(config):
-    """bfloat16 matmuls that return float32 keep bf16 inputs in the backward pass too."""
+    """Keep bfloat16 matmuls that return float32 in bfloat16 in the backward pass too."""
     return jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if config.dtype == "bfloat16" else None
 
 
 def relative_position_bucket(relative_position, num_buckets=32, max_distance=128):
-    """T5's causal buckets of key minus query position (<= 0): one a distance below
-    num_buckets // 2, then log-spaced up to max_distance. numpy: constants of the step."""
+    """Map key minus query position (<= 0) to T5's causal buckets: one a distance below
+    num_buckets // 2, then log-spaced up to max_distance. Computed in numpy: the buckets
+    are constants of the compiled step."""
     n = np.maximum(-np.asarray(relative_position), 0)  # distance into the past
     exact = num_buckets // 2
     ratio = np.maximum(n, 1).astype(np.float32) / exact
@@ -269,7 +276,7 @@ def relative_position_bucket(relative_position, num_buckets=32, max_distance=128
 
 
 def masked_softmax(logits, valid):
-    """Softmax over the last axis restricted to `valid`, and whether anything was (else all 0)."""
+    """Take the softmax over the last axis where `valid`; say whether any entry was (else 0s)."""
     any_valid = jnp.any(valid, axis=-1, keepdims=True)
     hidden = jnp.where(valid, logits.astype(jnp.float32), NEG_INF)
     weights = jax.nn.softmax(hidden, axis=-1)
@@ -277,12 +284,12 @@ def masked_softmax(logits, valid):
 
 
 def masked_logsumexp(logits, valid):
-    """The log of masked_softmax's normalizer: [..., n] -> [...]; about NEG_INF if none is valid."""
+    """Return masked_softmax's log normalizer, [..., n] -> [...]; about NEG_INF if none is valid."""
     return jax.nn.logsumexp(jnp.where(valid, logits.astype(jnp.float32), NEG_INF), axis=-1)
 
 
 def local_logits(q, k, key_valid, rel_bias, scale, config):
-    """The logits of local_attention [B, H, T, S], and which keys each query sees [B, 1, T, S]."""
+    """Compute local_attention's logits [B, H, T, S] and the keys each query sees [B, 1, T, S]."""
     T, S = q.shape[2], k.shape[2]
     dist = (S - T + np.arange(T))[:, None] - np.arange(S)[None, :]  # [T, S] query - key position
     buckets = relative_position_bucket(-dist, config.num_buckets, config.max_distance)  # [T, S]
@@ -296,7 +303,7 @@ def local_logits(q, k, key_valid, rel_bias, scale, config):
 
 
 def local_attention(q, k, v, key_valid, rel_bias, scale, config):
-    """Sec. 3: causal attention over [XL cache; segment] with a sliding window and the T5 bias.
+    """Sec. 3: attend causally over [XL cache; segment] with a sliding window and the T5 bias.
     q [B, H, T, D]; k, v [B, H, S, D], the cache first; key_valid [B, S] -> [B, H, T, D]. Query t
     at position C + t sees key s iff 0 <= C + t - s <= T. A padding query gets 0."""
     logits, visible = local_logits(q, k, key_valid, rel_bias, scale, config)  # [B, H, T, S]
@@ -308,9 +315,9 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
 
 # ----------------------------------------------------------------------------- Sec. 3.3: top-k
 def num_topk_bins(k, memory_size, recall_target):
-    """The fewest bins G (a power of two, at least k, at most M) whose expected recall, with the
-    true top-k spread uniformly over G bins and one winner a bin, (G / k) (1 - (1 - 1/G)^k),
-    meets the target."""
+    """Choose the fewest bins G (a power of two, at least k, at most M) whose expected
+    recall meets the target: (G / k) (1 - (1 - 1/G)^k), with the true top-k spread
+    uniformly over G bins and one winner a bin."""
     G = 1
     while G < memory_size and (G < k or (G / k) * (1 - (1 - 1 / G) ** k) < recall_target):
         G *= 2
@@ -318,8 +325,9 @@ def num_topk_bins(k, memory_size, recall_target):
 
 
 def bin_layout(k, memory_size, recall_target):
-    """(G, rows): the memory seen as rows of G bins, slot s in bin s mod G; rows the largest power
-    of two that divides M and leaves at least num_topk_bins bins (M = 768: one row of 768)."""
+    """Lay the memory out as rows of G bins, slot s in bin s mod G: return (G, rows), rows
+    the largest power of two that divides M and leaves at least num_topk_bins bins (M = 768:
+    one row of 768)."""
     bins = num_topk_bins(k, memory_size, recall_target)
     rows = 1
     while memory_size % (2 * rows) == 0 and 2 * rows <= memory_size // bins:
@@ -328,7 +336,7 @@ def bin_layout(k, memory_size, recall_target):
 
 
 def memory_search(q, mem_k, mem_valid, scale, config, bias=None):
-    """The top-k memory slots of every query: q [B, H, T, D], mem_k [B, H, M, D],
+    """Find the top-k memory slots of every query: q [B, H, T, D], mem_k [B, H, M, D],
     mem_valid [B, M] -> scores, slots [B, H, T, K]; invalid slots score NEG_INF, and
     bias [B, M], where given, adds to every slot's score. Exact, or binned (Sec. 3.3):
     each bin's best slot (consecutive slots in different bins), then the top-k of the
@@ -354,7 +362,8 @@ def memory_search(q, mem_k, mem_valid, scale, config, bias=None):
 
 # -------------------------------------------------------------------------- Sec. 3.1: kNN attention
 def retrieved_logits(q, mem_k, slots, scale, config):
-    """Each query q [B, H, T, D] against its retrieved keys, slots [B, H, T, K] -> [B, H, T, K]."""
+    """Score each query q [B, H, T, D] against its retrieved keys, slots [B, H, T, K]:
+    the logits [B, H, T, K]."""
     index = slots[..., None]  # [B, H, T, K, 1]
     keys = jnp.take_along_axis(mem_k[:, :, None], index, axis=3).astype(q.dtype)  # [B, H, T, K, D]
     logits = jnp.einsum("bhtd,bhtkd->bhtk", q, keys,
@@ -363,7 +372,7 @@ def retrieved_logits(q, mem_k, slots, scale, config):
 
 
 def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, bias=None):
-    """Softmax attention of each query over its K retrieved pairs, with no position
+    """Attend from each query over its K retrieved pairs with a softmax and no position
     bias but `bias` [B, H, T, K] where given: q [B, H, T, D], slots and valid
     [B, H, T, K] -> out [B, H, T, D], weights [B, H, T, K], has_memory [B, H, T]
     (False where no retrieved slot was valid)."""
@@ -378,8 +387,9 @@ def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, bias=None)
 
 
 class Retrieved(NamedTuple):
-    """What knn_attention finds for every query: out [B, H, T, D]; has_memory [B, H, T] (False where
-    no retrieved slot is valid); slots, their validity and attention weights [B, H, T, K]."""
+    """Retrieved holds what knn_attention finds for each query: out [B, H, T, D];
+    has_memory [B, H, T] (False where no retrieved slot is valid); the slots, their
+    validity and attention weights [B, H, T, K]."""
     out: jax.Array
     has_memory: jax.Array
     slots: jax.Array
@@ -406,7 +416,7 @@ def knn_attention(q, mem_k, mem_v, mem_valid, scale, config, ops, slot_bias=None
 
 
 def combine(out, found, gate_bias, config, lse=None, no_match=None):
-    """The local out [B, H, T, D] and the retrieved found.out, mixed as
+    """Mix the local out [B, H, T, D] and the retrieved found.out as
     config.memory_combine says. lse: the retrieved and the local logits' log
     normalizers [B, H, T] (joint's; the first alone with no_match). In add and joint,
     b_g is a constant (its init) that weighs the retrieved side by e^b_g; memory_off
@@ -429,8 +439,8 @@ def combine(out, found, gate_bias, config, lse=None, no_match=None):
 
 # ------------------------------------------------------------------------ Sec. 3.1: the ring buffer
 def write_memory(mem, new, pos, write, axis):
-    """FIFO ring buffer append: row b writes new[b] at slot pos[b] along `axis` (after B) where
-    write[b]. M and pos are multiples of T, so a write never wraps around."""
+    """Append to the FIFO ring buffer: row b writes new[b] at slot pos[b] along `axis`
+    (after B) where write[b]. M and pos are multiples of T, so a write never wraps around."""
 
     def write_row(row, row_new, row_pos, row_write):
         old = jax.lax.dynamic_slice_in_dim(row, row_pos, row_new.shape[axis], axis=axis)
@@ -441,16 +451,17 @@ def write_memory(mem, new, pos, write, axis):
 
 
 def clear_rows(mem, reset):
-    """Ethics section: zeros in the rows b of mem [B, ...] where reset[b], not only flags."""
+    """Ethics section: zero the rows b of mem [B, ...] where reset[b], not only their flags."""
     reset = reset.reshape((-1,) + (1,) * (mem.ndim - 1))  # [B, 1, ...]
     return jnp.where(reset, jnp.zeros((), mem.dtype), mem)
 
 
 def commit_memory(state, reset, config, clear=clear_rows):
-    """Clear the rows that start a document, append the last segment's keys and values to the
-    others (none if all padding: padding never costs a slot). Sec. 3.1 retrieves, then appends;
-    the append waits for the next call, which searches the same memory, so XLA writes it in
-    place (deviation 5)."""
+    """Clear the rows that start a document; append the last segment's keys and values,
+    state.prev_k, prev_v [B, L, H, T, D], to the others' memories mem_k, mem_v [B, Lm, H, M,
+    D], unless all of it was padding (padding never costs a slot). reset [B] -> the State.
+    Sec. 3.1 retrieves, then appends; here the append waits for the next call, which searches
+    the same memory, so that XLA writes it in place (deviation 5)."""
     keep = ~reset.astype(bool)  # [B]
     append = keep & jnp.any(state.prev_valid, axis=1)  # [B]
     layers = list(config.active_memory_layers)
@@ -467,7 +478,7 @@ def commit_memory(state, reset, config, clear=clear_rows):
 
 # ------------------------------------------------------------- beyond the paper: crowded memories
 def age_bias(mem_pos, M, config):
-    """Each slot's score bias, -beta log2(1 + age / T) (deviation 10).
+    """Compute each slot's score bias, -beta log2(1 + age / T) (deviation 10).
     Its age: the tokens since it was written, counted back from the
     write position mem_pos [B] (slot mem_pos - 1 holds the last token
     written) -> [B, M]. Among look-alikes, the recent ones win."""
@@ -476,7 +487,7 @@ def age_bias(mem_pos, M, config):
 
 
 def with_other_rows(x, d, axis):
-    """Row b of x [B, ...], then rows b + 1, ..., b + d - 1 (mod B)
+    """Follow row b of x [B, ...] by rows b + 1, ..., b + d - 1 (mod B)
     along `axis`: its memory and those of d - 1 other documents
     (deviation 12). M -> d M along `axis`."""
     return jnp.concatenate([jnp.roll(x, -j, axis=0) for j in range(d)], axis=axis)
@@ -484,7 +495,8 @@ def with_other_rows(x, d, axis):
 
 # ----------------------------------------------------------------------------- the model
 class Ops(NamedTuple):
-    """The pieces forward computes with; kernels.FAST has drop-ins of the same signatures."""
+    """Ops names the pieces forward computes with; kernels.py has drop-ins of the same
+    signatures."""
     local_attention: Callable
     memory_search: Callable
     attend_to_retrieved: Callable
@@ -495,14 +507,14 @@ PLAIN = Ops(local_attention, memory_search, attend_to_retrieved, clear_rows)
 
 
 def dropout(x, rate, rng):
-    """Each element zeroed at `rate`, the others scaled by 1 / (1 - rate): the same mean."""
+    """Zero each element at `rate` and scale the others by 1 / (1 - rate), keeping the mean."""
     keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)  # x's shape, bool
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
 
 
 def forward(params, state, tokens, reset, config, mask=None, return_retrievals=False, ops=PLAIN,
             rng=None):
-    """One segment of every row: tokens int [B, T] (the caller checks their range); reset bool
+    """Run one segment of every row: tokens int [B, T] (the caller checks their range); reset bool
     [B] (the row starts a document); mask bool [B, T], False on padding, which never enters the
     memory or the cache as valid; rng, given in training only: each block's output is dropped at
     config.dropout, and each row also searches the memories of config.cross_batch - 1 other rows
@@ -603,7 +615,7 @@ def forward(params, state, tokens, reset, config, mask=None, return_retrievals=F
 
 
 def cross_entropy(logits, targets):
-    """Per-token cross-entropy in nats: [B, T, V], [B, T] -> [B, T]."""
+    """Return the per-token cross-entropy in nats: [B, T, V], [B, T] -> [B, T]."""
     logits = logits.astype(jnp.float32)
     one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)  # [B, T, V]
     target_logit = jnp.sum(one_hot * logits, axis=-1)  # [B, T]
@@ -611,7 +623,7 @@ def cross_entropy(logits, targets):
 
 
 def memory_off(params):
-    """The memory-off ablation: the same weights with every b_g at -1e9 (local only)."""
+    """Return the memory-off ablation: the same weights with every b_g at -1e9 (local only)."""
     layers = [dict(p, gate_bias=jnp.full_like(p["gate_bias"], -1e9)) if "gate_bias" in p else p
               for p in params["layers"]]
     return dict(params, layers=layers)

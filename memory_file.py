@@ -38,6 +38,7 @@ import memorizing_transformer as mt
 import runs
 
 MAGIC = b"MTMEMORY"
+FORMAT = "memorizing-transformer memory"  # the header's "format"
 VERSION = 1
 ALIGN = 64
 CHUNK = 1 << 22  # bytes read and hashed at a time
@@ -188,6 +189,8 @@ def _parse_header(text, path):
         value = header.get(field)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             _refuse(path, f"has no valid header field {field!r}: it is corrupt.")
+    if header["format"] != FORMAT:
+        _refuse(path, f"names its format {header['format']!r}, not {FORMAT!r}.")
     ints = lambda xs: all(mt.is_int(x) for x in xs)
     if not ints(header["memory_layers"]) or not all(isinstance(x, str) for x in header["files"]):
         _refuse(path, "has a header whose memory_layers or files are of the wrong type.")

@@ -2,7 +2,7 @@
 kernels.py, and the named presets.
 
   config = PRESETS["tiny"].replace(steps=12000)   # a RunConfig: every field is a train.py flag
-  ops = kernels.fast(config.memory_chunk, config.attention)
+  ops = kernels.of(config)   # mt.PLAIN where config.ops is "plain", else kernels.py's
 """
 
 import dataclasses
@@ -37,6 +37,10 @@ class RunConfig(mt.Config):
     # kernels.py's knobs
     memory_chunk: int = knob(
         1024, mt.positive, "memory slots kernels.py scores at a time (the [T, M] scores in pieces)"
+    )
+    ops: str = knob(
+        "fast", mt.one_of("fast", "plain"),
+        "the model's pieces: kernels.py's faster drop-ins, or memorizing_transformer.py's own",
     )
     attention: str = knob(
         "explicit", mt.one_of("explicit", "fused"),

@@ -697,12 +697,9 @@ def resume(out, params, opt_state, state, stream, documents, source, config):
     check_memory_position(state, config, path)
     changed = (
         f"the corpus {source} is not the one the checkpoint in {out} was trained on (its documents "
-        "were "
-        "added to, removed or edited since, or the run's tokenizer.model was replaced; for "
-        "stdlib, another "
-        "Python's library): --resume would continue its rows in other documents. Restore the "
-        "corpus, or "
-        f"fine-tune the run into a new --out with --init-from"
+        "were added to, removed or edited since, or the run's tokenizer.model was replaced; for "
+        "stdlib, another Python's library): --resume would continue its rows in other documents. "
+        "Restore the corpus, or fine-tune the run into a new --out with --init-from"
     )
     if meta.get("documents") not in (
         None,
@@ -714,8 +711,7 @@ def resume(out, params, opt_state, state, stream, documents, source, config):
     except (KeyError, TypeError, ValueError, IndexError):
         raise cli.UsageError(
             f"checkpoint {path} has a data position that does not fit the training documents: it "
-            "is "
-            f"truncated or corrupt, or {changed}."
+            f"is truncated or corrupt, or {changed}."
         ) from None
     if meta["step"] > config.steps:
         raise cli.UsageError(
@@ -783,9 +779,8 @@ def check_run_data_here(source):
     ):
         raise cli.UsageError(
             f"the run's --data {source!r} does not exist from {os.getcwd()}: a relative path is "
-            "read "
-            "from the directory the command runs in, so run it from the one the run was started "
-            "in."
+            "read from the directory the command runs in, so run it from the one the run was "
+            "started in."
         )
 
 
@@ -845,10 +840,8 @@ def run_config(args, given):
         if conflict:
             raise cli.UsageError(
                 f"--resume continues the run in {out} as it was configured, and {conflict[0]} "
-                "would "
-                f"change it (the run's: {conflict[1]}); drop the flag, or fine-tune the run into a "
-                "new "
-                f"--out with --init-from."
+                f"would change it (the run's: {conflict[1]}); drop the flag, or fine-tune the run "
+                "into a new --out with --init-from."
             )
         config = saved["config"].replace(steps=args.steps) if args.steps else saved["config"]
         for k in RUN_DATA_ARGS:
@@ -884,8 +877,7 @@ def run_config(args, given):
             if args.tokenizer and os.path.realpath(args.tokenizer) != os.path.realpath(tokenizer):
                 raise cli.UsageError(
                     f"--init-from {args.init_from} keeps its run's tokenizer, whose ids its "
-                    "weights "
-                    f"read; drop --tokenizer {args.tokenizer}."
+                    f"weights read; drop --tokenizer {args.tokenizer}."
                 )
             saved = read_run_config(args.init_from)
             source = saved["config"]
@@ -914,16 +906,14 @@ def run_config(args, given):
                 raise cli.UsageError(
                     f"--init-from {args.init_from} is another model: its {', '.join(other)}; only "
                     "memory may be added to a run's model or dropped from it, so drop or change "
-                    "those "
-                    f"flags."
+                    "those flags."
                 )
     for path, flag in ((out, "--out"), (args.cache_dir, "--cache-dir")):
         if corpora.inside_corpus(path, args.data):
             raise cli.UsageError(
                 f"{flag} {path} is inside the corpus --data {args.data}: what the run writes there "
                 f"would be read as part of its own corpus; choose a {flag} outside it, or a hidden "
-                "one "
-                f"(a name starting with '.', which no corpus reads)."
+                "one (a name starting with '.', which no corpus reads)."
             )
     check_writable_dir(out, "--out")
     check_writable_dir(args.cache_dir, "--cache-dir")

@@ -154,7 +154,7 @@ def build_parser():
     prompt = p.add_mutually_exclusive_group(required=True)
     cli.add(prompt, ["--prompt", "--prompt-file", "--prompt-doc"])
     cli.add(p, ["--prompt-tokens", "--tokens", "--temperature", "--top-k", "--draw-seed"])
-    cli.add(p, ["--memory-size"], unset="the run's")
+    cli.add(p, ["--memory-size", "--ops"], unset="the run's")
     cli.add(p, ["--memory-off", "--echo", "--load-memory"])
     return p
 
@@ -173,7 +173,8 @@ def sample(args):
         text = corpora.read_text(args.prompt_file, "--prompt-file")
     # --memory-size: the run's M, or with --load-memory the slots to grow the file's to
     size = None if args.load_memory else args.memory_size
-    config, params, sp, run_args = evaluate.load_run(args.run_dir, size)
+    changes = evaluate.eval_changes(args)
+    config, params, sp, run_args = evaluate.load_run(args.run_dir, size, changes)
     config, start, _ = evaluate.load_memory(args, config, params, args.memory_size)
     params = mt.memory_off(params) if args.memory_off and config.active_memory_layers else params
     if (

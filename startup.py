@@ -57,6 +57,21 @@ def fill_heap_holes(smallest=2**10, largest=2**26):
     return taken
 
 
+def after_compile(step):
+    """step, with fill_heap_holes after its first call, whose compile leaves the heap full of
+    the compiler's freed blocks: the steps after it allocate past them."""
+    first = [True]
+
+    def call(*args):
+        out = step(*args)
+        if first:
+            first.clear()
+            fill_heap_holes()
+        return out
+
+    return call
+
+
 def leave_on_early_signals():
     """Until cli.run_command takes the signals over: nothing is written yet, so leave."""
 

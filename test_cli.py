@@ -14,6 +14,7 @@ import contextlib
 import csv
 import dataclasses
 import errno
+import io
 import json
 import os
 import re
@@ -1614,3 +1615,36 @@ def test_the_runs_first_line_gives_the_share_of_tokens_held_out(finished_run):
     line = next(line for line in out.splitlines() if line.startswith("run "))
     share = re.search(r"held-out documents \((\d+\.\d)% of the tokens\)", line)
     assert share and 0 < float(share.group(1)) < 20, line
+
+
+def test_every_config_field_is_a_train_flag_with_its_help_and_rule_and_a_resume_check():
+    """A knob is written once, in Config (or RunConfig), with its default, rule and help: it is a
+    train.py flag with that help, whose values the rule refuses in one sentence, and a flag that
+    --resume refuses to change, with no other file naming it."""
+    parser = train.build_parser()
+    tiny = presets.PRESETS["tiny"]
+    saved = {"config": tiny, "args": {"data": "stdlib"}}
+    for field in dataclasses.fields(presets.RunConfig):
+        flag = "--" + field.name.replace("_", "-")
+        action = parser._option_string_actions[flag]
+        assert " ".join(field.metadata["help"].split()) in action.help, flag
+        value = getattr(tiny, field.name)
+        if field.type is bool:
+            argv = [flag if not value else "--no-" + flag[2:]]
+        elif field.metadata["rule"].choices:
+            others = [c for c in field.metadata["rule"].choices if c not in (value, None)]
+            argv = [flag, others[-1]]  # (memory_dtype's None reads as dtype's float32)
+        elif field.type is tuple:
+            argv = [flag, "0"]
+        else:
+            argv = [flag, str(value + 1 if field.type is int else value / 2 + 0.25)]
+        args = parser.parse_args(argv)
+        conflict = runs.resume_conflict(args, saved, "out", {field.name})
+        if field.name in runs.RESUME_MAY_CHANGE:
+            assert conflict is None, flag
+        else:
+            assert conflict and conflict[0].startswith(argv[0]), (flag, conflict)
+        if field.type in (int, float) and field.metadata["rule"](-7):  # refused: its sentence
+            with contextlib.redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
+                parser.parse_args([flag, "-7"])
+            assert field.metadata["rule"](-7) in err.getvalue(), (flag, err.getvalue())

@@ -336,3 +336,21 @@ def test_a_checkpoint_whose_memory_position_is_off_the_ring_is_refused(
     assert_refused(code, err, argv)
     assert f"memory write position of {position}, where the memory of 64 slots" in err, err
     assert snapshot(run) == before
+
+
+def test_a_checkpoint_value_that_its_dtype_cannot_hold_is_refused_before_any_cast(
+    tmp_path, finished_run, cache, capsys
+):
+    """A write position stored as int64 2^32 + 128 once became 128 in the cast to int32, a
+    valid position, and --resume went on. Every integer is checked against the dtype it is
+    read as, before the cast."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    key = "state['mem_pos']"
+    _rewrite_checkpoint(run, lambda a: a.update({key: np.full(a[key].shape, 2**32 + 128)}))
+    before = snapshot(run)
+    argv = ["--out", str(run), "--resume", "--steps", "3", "--cache-dir", cache]
+    code, _, err = call("train", argv, capsys)
+    assert_refused(code, err, argv)
+    assert "outside int32's range" in err, err
+    assert snapshot(run) == before

@@ -19,6 +19,7 @@ import pytest
 import cli
 import evaluate
 import evaluation
+import kernels
 import memorizing_transformer as mt
 import optimizer
 import presets
@@ -298,6 +299,26 @@ def run(out, cache, *extra):
 def losses(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_ops_plain_trains_the_model_files_own_pieces_to_the_losses_of_the_kernels(
+    tmp_path, cache, capsys, monkeypatch
+):
+    """--ops plain runs memorizing_transformer.py's own pieces, what a reader edits; the
+    default, kernels.py's drop-ins. A few steps both ways give the same losses and the same
+    final evaluation, to float32 rounding; the run's first line says which pieces ran."""
+    steps = ["--steps", "4", "--eval-every", "2"]
+    assert run(tmp_path / "fast", cache, *steps) == 0
+    monkeypatch.setattr(kernels, "fast", lambda *a: pytest.fail("a kernel in a plain run"))
+    assert run(tmp_path / "plain", cache, *steps, "--ops", "plain") == 0
+    out = capsys.readouterr().out
+    assert "ops fast (kernels.py)" in out and "ops plain (memorizing_transformer.py)" in out
+    fast, plain = losses(tmp_path / "fast"), losses(tmp_path / "plain")
+    assert sorted(fast) == sorted(plain) == [1, 2, 3, 4]
+    np.testing.assert_allclose([plain[s] for s in fast], list(fast.values()), rtol=1e-5)
+    evals = [json.loads((tmp_path / d / "eval.json").read_text()) for d in ("fast", "plain")]
+    assert evals[0]["loss"] == pytest.approx(evals[1]["loss"], rel=1e-5)
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["config"]["ops"] == "plain"
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache, monkeypatch):

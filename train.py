@@ -69,9 +69,10 @@ def make_train_step(config, ops=None):
     """One jitted step: forward over a segment of every row, carry the state, update
     the params. With grad_accum > 1 the rows are split into micro-batches (each with
     its own memories) and the gradients summed over all tokens before one update. The
-    buffers are donated, so the memory is updated in place. ops: kernels.fast with the
-    config's knobs, unless given. The step's dropout draws from its seed and the step count."""
-    ops = ops or kernels.fast(config.memory_chunk, config.attention)
+    buffers are donated, so the memory is updated in place. The pieces are ops, or where
+    none is given kernels.of(config): the model file's own where config.ops is "plain",
+    else kernels.py's. The step's dropout draws from its seed and the step count."""
+    ops = ops or kernels.of(config)
     _, opt_update = optimizer.make_optimizer(config)
 
     def summed_loss(params, state, batch, rng):
@@ -160,7 +161,7 @@ def train_run(args, given):
             return say_done(run)
         config, stream, step = run.config, run.stream, run.step
         params, opt_state, state, place = multihost.distribute(run.params, run.opt_state, run.state)
-        train_step = make_train_step(evaluation.step_config(config))
+        train_step = startup.after_compile(make_train_step(evaluation.step_config(config)))
         print(describe(run, params), flush=True)
         note_repeats(run)
         runs.note_unused_pieces(run.tok_path, config.vocab_size)
@@ -172,8 +173,6 @@ def train_run(args, given):
                 )
                 step += 1
                 metrics = multihost.gather(metrics)
-                if step == run.step + 1:  # compiled: the heap is full of the compiler's holes
-                    startup.fill_heap_holes()
                 if not metrics["finite"]:  # a non-finite loss, or weights that overflowed
                     return books.diverged(step)
                 stopping = multihost.any_of(stop["signal"])  # a Ctrl-C on one stops them all
@@ -321,7 +320,8 @@ def describe(run, params):
         f"{len(run.train_docs)} train / {run.held_out[0]} held-out documents ("
         f"{run.held_out[1]:.1%} of the tokens), {len(run.valid_docs)} evaluated, device "
         f"{jax.devices()[0].platform} x{jax.device_count()}{processes}, memory "
-        f"{c.memory_size} in layers {list(c.active_memory_layers)}"
+        f"{c.memory_size} in layers {list(c.active_memory_layers)}, ops {c.ops} ("
+        f"{'memorizing_transformer.py' if c.ops == 'plain' else 'kernels.py'})"
     )
 
 
