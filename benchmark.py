@@ -60,7 +60,8 @@ def ops_of(c, name):
 
 
 def train_flops(c, batch, memory_size):
-    """Matmul FLOPs of one training step (forward + backward = 3 x forward), and of the forward."""
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward), and
+    of the forward."""
     B, T, E, H, D, F, V, L = (
         batch,
         c.segment_length,
@@ -90,7 +91,9 @@ def peak_bytes():
 
 
 def recall(found, exact):
-    """Share of each query's exact top-k slots that `found` also holds: [..., K] each."""
+    """Share of each query's exact top-k slots that `found` also holds: [..., K]
+    each.
+"""
     K = exact.shape[-1]
     return float(
         np.mean(
@@ -106,8 +109,8 @@ def recall(found, exact):
 
 
 def measure_recall(c, memory_size, search, queries=64):
-    """The approximate top-k, in the model's dtypes, against exact float32 top-k on random unit
-    vectors."""
+    """The approximate top-k, in the model's dtypes, against exact float32 top-k
+    on random unit vectors."""
     if not memory_size or c.exact_topk:
         return 1.0 if memory_size else None
     rng = np.random.default_rng(0)
@@ -170,10 +173,12 @@ NOT_WRITTEN = (
 
 
 def largest_buffers(hlo_text, n=10):
-    """The n largest arrays a compiled program's operations write, largest first: [{"op", "opcode",
-    "shape", "bytes"}]. The outputs of the entry computation's and loop bodies' operations (a
-    tuple's elements one by one; an update in place counts its whole array), not the values inside a
-    fused computation (any computation named with calls=), which never reach memory."""
+    """The n largest arrays a compiled program's operations write, largest
+    first: [{"op", "opcode", "shape", "bytes"}]. The outputs of the entry
+    computation's and loop bodies' operations (a tuple's elements one by one; an
+    update in place counts its whole array), not the values inside a fused
+    computation (any computation named with calls=), which never reach memory.
+    """
     buffers, fused = [], False
     called = set(
         re.findall(r"%([\w.\-]+)", " ".join(re.findall(r"calls=(\{[^}]*\}|%[\w.\-]+)", hlo_text)))
@@ -200,11 +205,12 @@ def largest_buffers(hlo_text, n=10):
 
 
 def profile_steps(run_step, steps, hlo_text, out_dir, tag):
-    """Time per XLA operation over `steps` steps, from a jax.profiler trace: kernels on a GPU,
-    thunks on a CPU (where threads add up to more than the wall time, and a plain `dot`'s work runs
-    on threads the trace does not tie to it). Each operation is named after the JAX operation it
-    came from (HLO metadata). Writes the trace, the HLO and the tables to out_dir; returns the table
-    by JAX operation, longest first, and the largest arrays."""
+    """Time per XLA operation over `steps` steps, from a jax.profiler trace:
+    kernels on a GPU, thunks on a CPU (where threads add up to more than the
+    wall time, and a plain `dot`'s work runs on threads the trace does not tie
+    to it). Each operation is named after the JAX operation it came from (HLO
+    metadata). Writes the trace, the HLO and the tables to out_dir; returns the
+    table by JAX operation, longest first, and the largest arrays."""
     from jax.profiler import ProfileData
 
     normal = lambda name: re.sub(r"[.\-]", "_", name)
@@ -283,8 +289,9 @@ def profile_steps(run_step, steps, hlo_text, out_dir, tag):
 def row_step(
     preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"
 ):
-    """One memory size's config, jitted train step and its arguments (params, optimizer state, model
-    state, a batch of random tokens; the same seeds in every row)."""
+    """One memory size's config, jitted train step and its arguments (params,
+    optimizer state, model state, a batch of random tokens; the same seeds in
+    every row)."""
     c = presets.PRESETS[preset].replace(
         memory_size=memory_size,
         batch_size=batch,
@@ -315,10 +322,11 @@ def row_step(
 def alternate_rows(
     preset, batch, sizes, rounds, dtype, memory_dtype=None, attention="explicit", ops="fast"
 ):
-    """Every memory size's train step in this process, called in turn for `rounds` rounds (after two
-    warm-up rounds). For each size, the median, min and max over the rounds of its step time over
-    the base row's (size 0, else the first) in the same round: on a shared machine whose speed
-    drifts, steadier than a ratio of medians taken minutes apart."""
+    """Every memory size's train step in this process, called in turn for
+    `rounds` rounds (after two warm-up rounds). For each size, the median, min
+    and max over the rounds of its step time over the base row's (size 0, else
+    the first) in the same round: on a shared machine whose speed drifts,
+    steadier than a ratio of medians taken minutes apart."""
     rows = {m: row_step(preset, batch, m, dtype, memory_dtype, attention, ops)[1:] for m in sizes}
     times = {m: [] for m in sizes}
     for r in range(rounds + 2):
@@ -344,8 +352,9 @@ def alternate_rows(
 def compile_row(
     preset, batch, memory_size, dtype, memory_dtype=None, attention="explicit", ops="fast"
 ):
-    """One row's train step compiled, not run (--compile-jobs): into JAX's persistent compilation
-    cache, from which the row's timed process then loads it."""
+    """One row's train step compiled, not run (--compile-jobs): into JAX's
+    persistent compilation cache, from which the row's timed process then loads
+    it."""
     _, step, args = row_step(preset, batch, memory_size, dtype, memory_dtype, attention, ops)
     t0 = time.perf_counter()
     step.lower(*args).compile()
@@ -364,8 +373,8 @@ def run_row(
     train_only=False,
     ops="fast",
 ):
-    """One memory size, in this process: the row's measurements (with train_only, the train step's
-    alone: three programs fewer to compile)."""
+    """One memory size, in this process: the row's measurements (with
+    train_only, the train step's alone: three programs fewer to compile)."""
     c, step, (params, opt_state, state, batch_arrays) = row_step(
         preset, batch, memory_size, dtype, memory_dtype, attention, ops
     )
@@ -453,11 +462,13 @@ def run_row(
 
 # ----------------------------------------------------------------------------- --search
 def time_search(c, batch, memory_size, steps):
-    """The search alone, at the preset's shapes on random unit keys: the median seconds of each form
-    over `steps` calls in turn (kernels.memory_search, the plain mt.memory_search, and the exact
-    top-k), the binned answer's recall, and the share of slots on which the two binned forms
-    agree. Also the search's last stage alone, the top-k of each query's G bins' winners, by
-    lax.top_k and in passes (kernels.top_k_in_passes, a CPU's way), which must agree."""
+    """The search alone, at the preset's shapes on random unit keys: the median
+    seconds of each form over `steps` calls in turn (kernels.memory_search, the
+    plain mt.memory_search, and the exact top-k), the binned answer's recall,
+    and the share of slots on which the two binned forms agree. Also the
+    search's last stage alone, the top-k of each query's G bins' winners, by
+    lax.top_k and in passes (kernels.top_k_in_passes, a CPU's way), which must
+    agree."""
     H, T, D, K = c.num_heads, c.segment_length, c.head_dim, c.num_neighbors
     unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True))
     kq, kk, kw = jax.random.split(
@@ -510,7 +521,8 @@ def time_search(c, batch, memory_size, steps):
 
 
 def search_table(args, base, batch, sizes):
-    """--search: the search's forms at each nonzero memory size, in this process."""
+    """--search: the search's forms at each nonzero memory size, in this
+    process."""
     c = base.replace(
         batch_size=batch, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype
     )
@@ -552,9 +564,10 @@ def search_table(args, base, batch, sizes):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def unit_vectors(shape, dtype, seed):
-    """Pseudo-random unit vectors along the last axis, from a hash of each element's index
-    (murmur3's finalizer): one fused program, nothing of the whole size beside the answer
-    (jax.random's bits and normals would be two more such arrays)."""
+    """Pseudo-random unit vectors along the last axis, from a hash of each
+    element's index (murmur3's finalizer): one fused program, nothing of the
+    whole size beside the answer (jax.random's bits and normals would be two
+    more such arrays)."""
     index = jnp.zeros(shape, jnp.uint32)
     stride = 1
     for axis in reversed(range(len(shape))):
@@ -567,8 +580,9 @@ def unit_vectors(shape, dtype, seed):
 
 
 def full_memory(config, rows=1, key=0):
-    """A state whose memory holds M random unit keys and values, every slot valid (drawn on
-    the device: no host copy, and no empty memory allocated first)."""
+    """A state whose memory holds M random unit keys and values, every slot
+    valid (drawn on the device: no host copy, and no empty memory allocated
+    first)."""
     shapes = jax.eval_shape(lambda: mt.init_state(config, rows))
     state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes._replace(
         mem_k=None, mem_v=None, mem_valid=None))
@@ -579,11 +593,12 @@ def full_memory(config, rows=1, key=0):
 
 
 def time_memorize(c, memory_size, steps):
-    """memorize.py's step and scoring's (evaluate.py --load-memory), batch 1, at one memory
-    size, on the preset's fresh weights: the median seconds of each over `steps` calls in
-    turn, with a batch-1 forward without memory beside them. memorize: the model up to the
-    top memory layer, with the preset's memory layers and with layers 0 and 1 (whose lower
-    layer searches the memory); score: the whole model's forward over a full memory."""
+    """memorize.py's step and scoring's (evaluate.py --load-memory), batch 1, at
+    one memory size, on the preset's fresh weights: the median seconds of each
+    over `steps` calls in turn, with a batch-1 forward without memory beside
+    them. memorize: the model up to the top memory layer, with the preset's
+    memory layers and with layers 0 and 1 (whose lower layer searches the
+    memory); score: the whole model's forward over a full memory."""
     import memorize  # (memorize.py imports nothing of the benchmark's)
 
     configs = {
@@ -628,8 +643,8 @@ def time_memorize(c, memory_size, steps):
 
 
 def memorize_table(args, base, sizes):
-    """--memorize: memorize's and scoring's steps at each nonzero memory size, in this
-    process."""
+    """--memorize: memorize's and scoring's steps at each nonzero memory size,
+    in this process."""
     c = base.replace(batch_size=1, grad_accum=1, dtype=args.dtype, memory_dtype=args.memory_dtype)
     rows = [time_memorize(c, m, args.timed_steps) for m in sizes if m]
     print(
@@ -670,9 +685,9 @@ def stop(proc):
 
 
 def run_children(cmds, env=None):
-    """Run these processes at once and wait for all; on Ctrl-C or SIGTERM (KeyboardInterrupt here),
-    stop them first, so that no child outlives the benchmark. Returns (exit code, stdout,
-    stderr)s."""
+    """Run these processes at once and wait for all; on Ctrl-C or SIGTERM
+    (KeyboardInterrupt here), stop them first, so that no child outlives the
+    benchmark. Returns (exit code, stdout, stderr)s."""
     procs = []
     try:
         for cmd in cmds:
@@ -694,8 +709,8 @@ def run_child(cmd, env=None):
 
 
 def json_or_error(result, what):
-    """A child's last line as JSON, and 0; if it failed, one line with its own last line, and the
-    exit code to leave with."""
+    """A child's last line as JSON, and 0; if it failed, one line with its own
+    last line, and the exit code to leave with."""
     code, stdout, stderr = result
     if code:
         last = (stderr.strip().splitlines() or ["no message"])[-1]
@@ -705,9 +720,9 @@ def json_or_error(result, what):
 
 
 def compile_ahead(common, sizes, jobs, env):
-    """--compile-jobs: every row's train step compiled in processes `jobs` at a time, into the
-    compilation cache that `env` names. Returns ({memory size: compile seconds}, 0), or (None,
-    code)."""
+    """--compile-jobs: every row's train step compiled in processes `jobs` at a
+    time, into the compilation cache that `env` names. Returns ({memory size:
+    compile seconds}, 0), or (None, code)."""
     ahead = {}
     env = dict(
         env, XLA_PYTHON_CLIENT_PREALLOCATE="false"
@@ -724,8 +739,9 @@ def compile_ahead(common, sizes, jobs, env):
 
 
 def time_rows(args, common, sizes, rows, env):
-    """Each row timed in its own process, one after another (after --compile-jobs), then the
-    --rounds; the rows are appended to `rows`. Returns 0, or the exit code to leave with."""
+    """Each row timed in its own process, one after another (after
+    --compile-jobs), then the --rounds; the rows are appended to `rows`. Returns
+    0, or the exit code to leave with."""
     ahead = {}
     if args.compile_jobs > 1:
         t0 = time.perf_counter()
@@ -779,9 +795,9 @@ PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_benchmark.
 
 
 def side_by_side(ours_runs, theirs_runs, sizes):
-    """--peer's rows from the repeats ({size: row} each; theirs {} where the peer was skipped): each
-    ratio taken within a repeat, then the median over the repeats, with the range of ours over
-    theirs."""
+    """--peer's rows from the repeats ({size: row} each; theirs {} where the
+    peer was skipped): each ratio taken within a repeat, then the median over
+    the repeats, with the range of ours over theirs."""
     med = lambda xs: statistics.median(xs) if xs else None
     rows = []
     for m in sizes:
@@ -809,8 +825,8 @@ def side_by_side(ours_runs, theirs_runs, sizes):
 
 
 def peer_table(args, common, sizes):
-    """--peer: ours (the rows, as always) and theirs (peer_benchmark.py in the peer's Python),
-    --repeats times in turn, then the side-by-side table."""
+    """--peer: ours (the rows, as always) and theirs (peer_benchmark.py in the
+    peer's Python), --repeats times in turn, then the side-by-side table."""
     env = dict(
         os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     )  # no spinning threads
@@ -916,8 +932,8 @@ def main(argv=None):
 
 
 def memory_sizes(sizes, base, batch, dtype):
-    """--memory-sizes, each a size this preset, batch and dtype can run (a UsageError otherwise):
-    every size is checked before any row runs."""
+    """--memory-sizes, each a size this preset, batch and dtype can run (a
+    UsageError otherwise): every size is checked before any row runs."""
     if len(set(sizes)) < len(sizes):  # rows are named by their size
         raise cli.UsageError(f"--memory-sizes names a size twice: {','.join(map(str, sizes))}.")
     for m in sizes:

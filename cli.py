@@ -73,14 +73,16 @@ def fraction(text):
 
 
 def path_arg(text):
-    """A path, but not the empty string (an unset shell variable would pass as the default)."""
+    """A path, but not the empty string (an unset shell variable would pass as
+    the default)."""
     if not text:
         raise argparse.ArgumentTypeError("needs a path, got an empty string")
     return text
 
 
 def host_port(text):
-    """HOST:PORT, the port a number from 1 to 65535 (an IPv6 host in brackets: [::1]:8476)."""
+    """HOST:PORT, the port a number from 1 to 65535 (an IPv6 host in brackets:
+    [::1]:8476)."""
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(
@@ -97,8 +99,8 @@ def positive_seconds(text):
 
 
 def int_list(low, distinct=True):
-    """An argparse type: comma-separated integers of at least `low`, e.g. 512,2048;
-    distinct: none twice (each names a row of a result)."""
+    """An argparse type: comma-separated integers of at least `low`, e.g.
+    512,2048; distinct: none twice (each names a row of a result)."""
 
     def parse(text):
         try:
@@ -129,9 +131,9 @@ def layer_list(text):
 
 # ----------------------------------------------------------------------------- the table
 class Flag(NamedTuple):
-    """A row of FLAGS. name: "--memory-size", "--init-from RUN_DIR" (its metavar)
-    or a positional's name; type: a parser of the text, a tuple of choices,
-    SWITCH or CONFIG; default; help."""
+    """A row of FLAGS. name: "--memory-size", "--init-from RUN_DIR" (its
+    metavar) or a positional's name; type: a parser of the text, a tuple of
+    choices, SWITCH or CONFIG; default; help."""
 
     name: str
     type: object
@@ -498,8 +500,8 @@ def cache_dir():
 
 
 def config_type(field):
-    """The argparse type of a RunConfig field's flag: the text read as the field's type, then held
-    to the field's rule, whose sentence is the error."""
+    """The argparse type of a RunConfig field's flag: the text read as the
+    field's type, then held to the field's rule, whose sentence is the error."""
     rule = field.metadata["rule"]
     if field.type is bool:
         return argparse.BooleanOptionalAction
@@ -532,7 +534,8 @@ assert len(BY_NAME) == len(FLAGS), "a flag is defined twice"
 
 # ----------------------------------------------------------------------------- parsers
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except where the help says it or there is none (None)."""
+    """--help with each flag's default, except where the help says it or there
+    is none (None)."""
 
     def _get_help_string(self, action):
         if action.default is None or "default" in (action.help or ""):
@@ -559,10 +562,11 @@ def parser(description, **kwargs):
 
 
 def add(target, names, defaults=None, unset=None, required=False, helps=None):
-    """Add the FLAGS rows `names` to a parser (or group, or subparser). defaults: {name:
-    value}, a script's own default of a flag; unset: each of these flags defaults to
-    None, which means `unset` ("the run's": the run's value), said in its help;
-    required: each must be given; helps: {name: text}, a script's own help of a flag."""
+    """Add the FLAGS rows `names` to a parser (or group, or subparser).
+    defaults: {name: value}, a script's own default of a flag; unset: each of
+    these flags defaults to None, which means `unset` ("the run's": the run's
+    value), said in its help; required: each must be given; helps: {name: text},
+    a script's own help of a flag."""
     for name in names:
         row = BY_NAME[name]
         flag, *metavar = row.name.split()
@@ -593,7 +597,8 @@ def add(target, names, defaults=None, unset=None, required=False, helps=None):
 
 
 def config_from_args(args, base, base_name):
-    """`base` (a RunConfig, named `base_name` in messages) with every config flag that was set."""
+    """`base` (a RunConfig, named `base_name` in messages) with every config
+    flag that was set."""
     changes = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS and v is not None}
     n = changes.get("num_layers", base.num_layers)
     if "memory_layers" not in changes and any(layer >= n for layer in base.memory_layers):
@@ -609,8 +614,9 @@ def config_from_args(args, base, base_name):
 
 
 def given_flags(build, argv):
-    """The flags that argv gives to the parser build() makes, by their names in args:
-    parsed, a flag left out and one given at its default value look alike."""
+    """The flags that argv gives to the parser build() makes, by their names in
+    args: parsed, a flag left out and one given at its default value look alike.
+    """
     blank = build()
     blank.set_defaults(**dict.fromkeys(vars(blank.parse_args([])), None))
     return {name for name, value in vars(blank.parse_args(argv)).items() if value is not None}
@@ -635,12 +641,13 @@ def interrupt_flag():
 
 @contextlib.contextmanager
 def dropped_interrupts_raised_again(delay=0.01):
-    """Deliver again the Ctrl-Cs that Python and JAX drop. A KeyboardInterrupt raised in a
-    garbage collection callback or a __del__ (JAX runs one at every collection) is printed
-    and dropped by Python: here SIGALRM delivers it again `delay` seconds later, to what
-    SIGINT does then. JAX starts its plugins under a bare `except:` and logs what they
-    raise: such a record is raised again from the logging call (_raise_logged_interrupt).
-    Without setitimer (Windows): neither."""
+    """Deliver again the Ctrl-Cs that Python and JAX drop. A KeyboardInterrupt
+    raised in a garbage collection callback or a __del__ (JAX runs one at every
+    collection) is printed and dropped by Python: here SIGALRM delivers it again
+    `delay` seconds later, to what SIGINT does then. JAX starts its plugins
+    under a bare `except:` and logs what they raise: such a record is raised
+    again from the logging call (_raise_logged_interrupt). Without setitimer
+    (Windows): neither."""
 
     def hook(unraisable):
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
@@ -671,7 +678,8 @@ def dropped_interrupts_raised_again(delay=0.01):
 
 
 def _raise_logged_interrupt(record):
-    """A logging filter: a KeyboardInterrupt that logging caught is raised again, not printed."""
+    """A logging filter: a KeyboardInterrupt that logging caught is raised
+    again, not printed."""
     if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
         raise record.exc_info[1]
     return True
@@ -679,7 +687,8 @@ def _raise_logged_interrupt(record):
 
 # ----------------------------------------------------------------------------- running a command
 def _backend_failed(e):
-    """Whether e was raised where JAX starts its backend (a JAX_PLATFORMS that cannot start)."""
+    """Whether e was raised where JAX starts its backend (a JAX_PLATFORMS that
+    cannot start)."""
     frames = traceback.extract_tb(e.__traceback__)
     return any(
         f.filename.endswith(os.path.join("jax", "_src", "xla_bridge.py")) for f in frames[-3:]
@@ -732,15 +741,15 @@ def run_command(command, args):
 
 
 def say(line):
-    """One line on stderr (an error or a note), where nothing fails if stderr is closed or
-    broken."""
+    """One line on stderr (an error or a note), where nothing fails if stderr is
+    closed or broken."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         print(line, file=sys.stderr, flush=True)
 
 
 def run_main(parser, command, argv):
-    """A script's main(): parse argv (--help, or a bad flag in one line, end here
-    with 0 or 2), then run_command."""
+    """A script's main(): parse argv (--help, or a bad flag in one line, end
+    here with 0 or 2), then run_command."""
     for name in ("stdout", "stderr"):  # started with a stream closed (`>&-`): Python has None there
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))
@@ -762,7 +771,8 @@ def run_main(parser, command, argv):
 
 
 def _stdout_gone():
-    """Point stdout at /dev/null, so that nothing more fails on it; the exit code of SIGPIPE."""
+    """Point stdout at /dev/null, so that nothing more fails on it; the exit
+    code of SIGPIPE."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # not a file (a test's capture), or closed
@@ -771,9 +781,10 @@ def _stdout_gone():
 
 
 def exit_with(code):
-    """Leave with `code` at once, once stdout and stderr are flushed: without the
-    interpreter's teardown, which can crash while JAX's threads still run (after an
-    interrupt), and during which a signal would kill the process without a word."""
+    """Leave with `code` at once, once stdout and stderr are flushed: without
+    the interpreter's teardown, which can crash while JAX's threads still run
+    (after an interrupt), and during which a signal would kill the process
+    without a word."""
 
     def interrupted(*_):
         os.write(2, b"interrupted; no file was left half-written.\n")

@@ -40,9 +40,9 @@ CORPUS_FILE_LIMIT = 2**31  # bytes read of one corpus file: a file that grows wi
 def _read_bytes(path, stats, limit=CORPUS_FILE_LIMIT):
     """A regular file's bytes, or None (counted in stats as unreadable) if it
     cannot be read (no permission, a symlink loop) or is not a regular file: a
-    named pipe would block the read until something wrote to it, and a device need
-    not end. A file of more than `limit` bytes (one still being written, say) is
-    skipped and counted as too large."""
+    named pipe would block the read until something wrote to it, and a device
+    need not end. A file of more than `limit` bytes (one still being written,
+    say) is skipped and counted as too large."""
     try:
         with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
             if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -58,8 +58,9 @@ def _read_bytes(path, stats, limit=CORPUS_FILE_LIMIT):
 
 
 def read_text(path, what, limit=2**26):
-    """The text of a file a user names (a prompt), read as a corpus file is: a regular
-    file only, of at most `limit` bytes, UTF-8. DataError (one sentence) otherwise."""
+    """The text of a file a user names (a prompt), read as a corpus file is: a
+    regular file only, of at most `limit` bytes, UTF-8. DataError (one sentence)
+    otherwise."""
     try:
         with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
             info = os.fstat(f.fileno())
@@ -87,8 +88,8 @@ def read_text(path, what, limit=2**26):
 
 
 def _read_text_file(path, stats):
-    """The file's text, or None (counted in stats) if it is binary, not UTF-8, unreadable
-    or not a regular file (_read_bytes)."""
+    """The file's text, or None (counted in stats) if it is binary, not UTF-8,
+    unreadable or not a regular file (_read_bytes)."""
     raw = _read_bytes(path, stats)
     return None if raw is None else _decode(raw, stats)
 
@@ -114,8 +115,8 @@ def _python_imports(text):
 
 
 def _isabelle_imports(text):
-    """Theory names an Isabelle .thy file imports, from its header
-    `theory X imports A "B" Session.C "dir/D" [keywords ...] begin`: a session-qualified
+    """Theory names an Isabelle .thy file imports, from its header `theory X
+    imports A "B" Session.C "dir/D" [keywords ...] begin`: a session-qualified
     name or a path counts by its last part."""
     text = re.sub(r"\(\*.*?\*\)", " ", text, flags=re.S)  # (* comments *)
     header = re.search(r"\btheory\s+\S+\s+imports\b(.*?)\b(?:keywords|abbrevs|begin)\b", text, re.S)
@@ -124,10 +125,10 @@ def _isabelle_imports(text):
 
 
 def _dependency_order(files):
-    """Order (name, text) pairs so that a file comes after the files it imports (Python
-    modules, Isabelle theories), wherever they sit in the document; otherwise keep the
-    order given. An import names a file by its stem; of several, the one in the importer's
-    own directory wins, then the first."""
+    """Order (name, text) pairs so that a file comes after the files it imports
+    (Python modules, Isabelle theories), wherever they sit in the document;
+    otherwise keep the order given. An import names a file by its stem; of
+    several, the one in the importer's own directory wins, then the first."""
     stems = {}
     for n, _ in files:
         stems.setdefault(os.path.splitext(os.path.basename(n))[0], []).append(n)
@@ -168,15 +169,16 @@ def _dependency_order(files):
 
 
 def _is_a_file(path):
-    """An entry to read as a file: anything but a directory or a link to one. A link
-    that leads nowhere (dangling, or a loop), a named pipe or a device is then counted
-    as unreadable (_read_bytes)."""
+    """An entry to read as a file: anything but a directory or a link to one. A
+    link that leads nowhere (dangling, or a loop), a named pipe or a device is
+    then counted as unreadable (_read_bytes)."""
     return not os.path.isdir(path)
 
 
 def _leaves(root, full):
-    """A link that no reader follows (counted as a link): one to a directory (a tree could
-    hold itself), or to a file outside root (not the corpus's, nor the code base's, text)."""
+    """A link that no reader follows (counted as a link): one to a directory (a
+    tree could hold itself), or to a file outside root (not the corpus's, nor
+    the code base's, text)."""
     if not os.path.islink(full):
         return False
     target = os.path.relpath(os.path.realpath(full), os.path.realpath(root))
@@ -184,7 +186,9 @@ def _leaves(root, full):
 
 
 def _listdir(path, stats):
-    """A directory's entries, sorted; an unreadable directory is counted and gives none."""
+    """A directory's entries, sorted; an unreadable directory is counted and
+    gives none.
+"""
     try:
         return sorted(os.listdir(path))
     except OSError:
@@ -193,12 +197,13 @@ def _listdir(path, stats):
 
 
 def _walk_unit(root, rel, rng, stats, suffixes):
-    """One directory as a unit (Sec. 4.1): its files and subdirectories in random order,
-    each subdirectory's files contiguous. Returns [(relative name, text)].
+    """One directory as a unit (Sec. 4.1): its files and subdirectories in
+    random order, each subdirectory's files contiguous. Returns [(relative name,
+    text)].
 
-    Depth first, with a stack of our own rather than Python's (a tree may be nested a few
-    thousand directories deep): each directory on it is (its name, its entries still to
-    visit, its files, its subdirectories' walks)."""
+    Depth first, with a stack of our own rather than Python's (a tree may be
+    nested a few thousand directories deep): each directory on it is (its name,
+    its entries still to visit, its files, its subdirectories' walks)."""
 
     def enter(rel):
         entries = [e for e in _listdir(os.path.join(root, rel), stats) if not _skipped(e)]
@@ -245,12 +250,13 @@ def _join_files(files):
 
 
 def read_repo(path, seed=0, dependency_order=False, suffixes=None, stats=None, prefix=None):
-    """The GitHub layout: each top-level directory is one document; loose top-level files
-    form one more. Where there are others, a directory that holds more than half of the
-    text is read the same way one level further down, its subdirectories documents of
-    their own (one package of a library is most of it); prefix: the names' prefix of such
-    a level. dependency_order puts every file of a document after the files it imports
-    (Sec. 4.1's Isabelle ordering; Python imports too). suffixes: a tuple of file name
+    """The GitHub layout: each top-level directory is one document; loose
+    top-level files form one more. Where there are others, a directory that
+    holds more than half of the text is read the same way one level further
+    down, its subdirectories documents of their own (one package of a library is
+    most of it); prefix: the names' prefix of such a level. dependency_order
+    puts every file of a document after the files it imports (Sec. 4.1's
+    Isabelle ordering; Python imports too). suffixes: a tuple of file name
     endings to read (Sec. 4.1's language filter), or None for all."""
     stats = stats if stats is not None else _new_stats()
     rng = random.Random(seed)
@@ -307,9 +313,10 @@ TREE_FILE_LIMIT = 2**26  # bytes of one file of a code tree; a larger one is ski
 
 
 def read_tree(path, suffixes=None, dependency_order=False, stats=None):
-    """The files of a code tree (or one file), as [(name relative to path, text)] in sorted
-    path order, or with dependency_order each after the files it imports; what is skipped
-    (hidden, build outputs, virtual environments, links, binary, ...) is counted in stats."""
+    """The files of a code tree (or one file), as [(name relative to path,
+    text)] in sorted path order, or with dependency_order each after the files
+    it imports; what is skipped (hidden, build outputs, virtual environments,
+    links, binary, ...) is counted in stats."""
     stats = stats if stats is not None else _new_stats()
     for cause in (*_new_stats(), "hidden", "build_output", "virtualenv"):
         stats.setdefault(cause, 0)
@@ -340,16 +347,18 @@ def read_tree(path, suffixes=None, dependency_order=False, stats=None):
 
 
 def tree_text(name, text):
-    """A file as the repository reader joins it: a header line naming it, then its text."""
+    """A file as the repository reader joins it: a header line naming it, then
+    its text.
+"""
     return _join_files([(name, text)])
 
 
 def _walk(top, onerror=None):
     """os.walk(top, onerror=onerror), top-down, with a stack of our own: Python
-    3.11's os.walk recurses once per directory level, so a tree a few thousand levels
-    deep would end in a RecursionError. Yields (dirpath, dirnames, filenames);
-    dirnames may be edited in place (sorted, pruned) to steer the walk, and links to
-    directories are listed, not entered."""
+    3.11's os.walk recurses once per directory level, so a tree a few thousand
+    levels deep would end in a RecursionError. Yields (dirpath, dirnames,
+    filenames); dirnames may be edited in place (sorted, pruned) to steer the
+    walk, and links to directories are listed, not entered."""
     stack = [top]
     while stack:
         root = stack.pop()
@@ -374,14 +383,16 @@ def _walk(top, onerror=None):
 
 
 def _skipped(name):
-    """A file or directory that no corpus reads: hidden (.git, .venv, a .cache of ours
-    inside the corpus) or __pycache__."""
+    """A file or directory that no corpus reads: hidden (.git, .venv, a .cache
+    of ours inside the corpus) or __pycache__."""
     return name.startswith(".") or name == "__pycache__"
 
 
 def _corpus_walk(top, onerror=None, stats=None):
-    """_walk below a corpus directory, without what _skipped names, nor the links that
-    _leaves names (counted in stats): what every reader and the format's detection see."""
+    """_walk below a corpus directory, without what _skipped names, nor the
+    links that _leaves names (counted in stats): what every reader and the
+    format's detection see.
+"""
     stats = stats if stats is not None else _new_stats()
     for root, dirs, files in _walk(top, onerror):
         kept = {n: not _skipped(n) and not _leaves(top, os.path.join(root, n))
@@ -410,7 +421,8 @@ def read_text_dir(path, stats=None):
 
 
 def read_jsonl(path, stats=None):
-    """The C4 / arXiv layout: one JSON object per line with a `text` field (.jsonl files)."""
+    """The C4 / arXiv layout: one JSON object per line with a `text` field
+    (.jsonl files)."""
     stats = stats if stats is not None else _new_stats()
     paths = (
         [path]
@@ -475,7 +487,8 @@ def read_stdlib(seed=0, stats=None, group=25):
 
 
 def _pseudo_words(n, seed, upper=False):
-    """n distinct two-syllable words (consonant-vowel pairs), e.g. "kamo" or "BEDU"."""
+    """n distinct two-syllable words (consonant-vowel pairs), e.g. "kamo" or
+    "BEDU"."""
     rng = random.Random(seed)
     syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
     words = set()
@@ -491,19 +504,21 @@ _FILLER = ["-", "+", "*", "~"]
 
 
 def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segment_length=128):
-    """Documents that only long-range memory predicts well (Sec. 4.5's premise, in miniature).
+    """Documents that only long-range memory predicts well (Sec. 4.5's premise,
+    in miniature).
 
-    Each document binds `num_names` names to values, both drawn per document from fixed
-    pools of 200 pseudo-words, and writes a binding as the line `NAME VALUE`. A name's
-    first line defines it; every later line with the same name repeats the value, and
-    that VALUE is a reference: marked in `parts`, so its loss can be reported on its own,
-    and predictable only by recalling an earlier line of the same document. Half of the
-    names are referenced densely (mostly within a segment: these teach a local copy
-    circuit); the other half only once their last line is more than 2 segments back
-    (these need the memory). Short filler lines (`- +`) sit in between. `length` is the
-    approximate length in tokens, counting each word, symbol and newline as one token
-    (the tokenizer learns the words whole).
-    """
+    Each document binds `num_names` names to values, both drawn per document
+    from fixed pools of 200 pseudo-words, and writes a binding as the line `NAME
+    VALUE`. A name's first line defines it; every later line with the same name
+    repeats the value, and that VALUE is a reference: marked in `parts`, so its
+    loss can be reported on its own, and predictable only by recalling an
+    earlier line of the same document. Half of the names are referenced densely
+    (mostly within a segment: these teach a local copy circuit); the other half
+    only once their last line is more than 2 segments back (these need the
+    memory). Short filler lines (`- +`) sit in between. `length` is the
+    approximate length in tokens, counting each word, symbol and newline as one
+    token (the tokenizer learns the words whole).
+"""
     rng = random.Random(seed)
     docs = []
     for d in range(num_docs):
@@ -541,11 +556,11 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
 
 
 def synthetic_halves(num_docs=4, seed=0, candidates=1000):
-    """The synthetic task across documents (README, "Memorize a code base"): documents of
-    synthetic_documents that share no name, each cut after the line that defines its last
-    name, as [(bindings, uses)]. Memorized, the first halves hold every binding; the
-    second halves' first reference to each name is then answered by the loaded memory
-    alone."""
+    """The synthetic task across documents (README, "Memorize a code base"):
+    documents of synthetic_documents that share no name, each cut after the line
+    that defines its last name, as [(bindings, uses)]. Memorized, the first
+    halves hold every binding; the second halves' first reference to each name
+    is then answered by the loaded memory alone."""
     halves, taken = [], set()
     for doc in synthetic_documents(candidates, seed=seed):  # 16 names of 200 each: few disjoint
         lines = doc.text.splitlines(keepends=True)
@@ -563,8 +578,8 @@ def synthetic_halves(num_docs=4, seed=0, candidates=1000):
 
 
 def write_synthetic_halves(out, num_docs=4, seed=0, candidates=1000):
-    """synthetic_halves as files: out/bindings/bind_N.txt and out/uses/use_N.txt (out must
-    not exist)."""
+    """synthetic_halves as files: out/bindings/bind_N.txt and out/uses/use_N.txt
+    (out must not exist)."""
     os.makedirs(out)
     for half in ("bindings", "uses"):
         os.makedirs(os.path.join(out, half))
@@ -575,17 +590,19 @@ def write_synthetic_halves(out, num_docs=4, seed=0, candidates=1000):
 
 
 def synthetic_long_documents(num_docs, distance, seed=0, num_names=16):
-    """Documents of the synthetic task whose far references sit `distance` tokens back (Sec. 4.4).
+    """Documents of the synthetic task whose far references sit `distance`
+    tokens back (Sec. 4.4).
 
-    The same lines as synthetic_documents (`NAME VALUE`, filler), arranged as a probe:
-    the document first defines its `num_names` names (with filler and near references
-    between the definitions, as in training); then only the even-numbered names are
-    referenced, densely, for `distance` tokens; then each odd-numbered name is referenced
-    once, as soon as its definition lies `distance` tokens back, and the document ends.
-    Those references, the probes, are the only parts marked as references: their value
-    was seen once, about `distance` tokens earlier (a line or two more, where two probes
-    fall due together), and never since.
-    """
+    The same lines as synthetic_documents (`NAME VALUE`, filler), arranged as a
+    probe: the document first defines its `num_names` names (with filler and
+    near references between the definitions, as in training); then only the
+    even-numbered names are referenced, densely, for `distance` tokens; then
+    each odd-numbered name is referenced once, as soon as its definition lies
+    `distance` tokens back, and the document ends. Those references, the probes,
+    are the only parts marked as references: their value was seen once, about
+    `distance` tokens earlier (a line or two more, where two probes fall due
+    together), and never since.
+"""
     rng = random.Random(f"synthetic-long {seed} {distance}")
     docs = []
     for d in range(num_docs):
@@ -673,9 +690,9 @@ def detect_format(path):
 
 def load_documents(source, fmt="auto", seed=0, verbose=True, suffixes=None):
     """`source` is "stdlib", "synthetic" or a path. Returns [Document]; prints a
-    one-line summary of what was skipped. Raises DataError (one sentence) on a missing
-    path or an empty corpus. suffixes (repositories only): the file name endings to
-    read, e.g. (".py", ".c", ".h")."""
+    one-line summary of what was skipped. Raises DataError (one sentence) on a
+    missing path or an empty corpus. suffixes (repositories only): the file name
+    endings to read, e.g. (".py", ".c", ".h")."""
     stats = _new_stats()
     if suffixes and (
         source == "stdlib"

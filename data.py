@@ -29,10 +29,11 @@ PAD_ID = 0  # padding: always masked
 
 # ----------------------------------------------------------------------------- the split
 def split_documents(docs, valid_fraction=0.05, seed=0):
-    """Deterministic split by document that holds out about valid_fraction of the corpus's
-    characters: in a seeded order, a document is held out while the held-out share is short of
-    the fraction and it fits within twice the fraction, so that a document that is most of the
-    corpus never is. No document is in both; at least one of each."""
+    """Deterministic split by document that holds out about valid_fraction of
+    the corpus's characters: in a seeded order, a document is held out while the
+    held-out share is short of the fraction and it fits within twice the
+    fraction, so that a document that is most of the corpus never is. No
+    document is in both; at least one of each."""
     if len(docs) < 2:
         raise DataError(
             f"need at least 2 documents to split into train and validation, got {len(docs)}."
@@ -58,7 +59,8 @@ def split_documents(docs, valid_fraction=0.05, seed=0):
 
 # ----------------------------------------------------------------------------- tokenizer
 def _sample_lines(docs, max_chars, seed):
-    """A bounded, seeded sample of text chunks (a few lines each) for tokenizer training."""
+    """A bounded, seeded sample of text chunks (a few lines each) for tokenizer
+    training."""
     rng = random.Random(seed)
     chunks = []
     for d in docs:
@@ -76,8 +78,9 @@ def _sample_lines(docs, max_chars, seed):
 
 
 def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
-    """BPE SentencePiece (as in the paper) on a bounded sample. Byte fallback and identity
-    normalization make decode(encode(text)) == text, newlines and indentation included."""
+    """BPE SentencePiece (as in the paper) on a bounded sample. Byte fallback
+    and identity normalization make decode(encode(text)) == text, newlines and
+    indentation included."""
     import sentencepiece as spm
 
     model, lines, symbols = io.BytesIO(), _sample_lines(docs, max_chars, seed), ["\n", "\t"]
@@ -123,9 +126,10 @@ def train_tokenizer(docs, vocab_size, path, seed=0, max_chars=3_000_000):
 
 
 def _write_cache(path, write):
-    """write(f) into a file of this call's own beside `path`, renamed over it when whole: two runs
-    that fill one cache at once (two seeds started together) each write their own. A cache file
-    needs no fsync: a corrupt one is rebuilt."""
+    """write(f) into a file of this call's own beside `path`, renamed over it
+    when whole: two runs that fill one cache at once (two seeds started
+    together) each write their own. A cache file needs no fsync: a corrupt one
+    is rebuilt."""
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
     try:
         with open(tmp, "xb") as f:
@@ -155,10 +159,10 @@ def load_tokenizer(path):
 
 
 def corpus_key(docs):
-    """A name for a list of documents: a hash of their ids, texts and parts, that is, of what
-    the readers made of the files, not of the files. A touched or copied corpus keeps its key;
-    an edit changes it, and so does a change in what a reader makes of the same files. Hashing
-    is fast next to reading."""
+    """A name for a list of documents: a hash of their ids, texts and parts,
+    that is, of what the readers made of the files, not of the files. A touched
+    or copied corpus keeps its key; an edit changes it, and so does a change in
+    what a reader makes of the same files. Hashing is fast next to reading."""
     h = hashlib.sha256(len(docs).to_bytes(8, "little"))
     for d in docs:
         for text in (d.id, d.text, repr(d.parts)):
@@ -174,9 +178,10 @@ def file_hash(path):
 
 
 def fingerprint(*doc_lists):
-    """A short hash of lists of token documents (each an int array): their number, lengths and
-    ids. A checkpoint keeps the one of the documents it was trained on, which a --resume then
-    compares: a touched or copied corpus matches (corpus_key is the same for their text)."""
+    """A short hash of lists of token documents (each an int array): their
+    number, lengths and ids. A checkpoint keeps the one of the documents it was
+    trained on, which a --resume then compares: a touched or copied corpus
+    matches (corpus_key is the same for their text)."""
     h = hashlib.sha256()
     for docs in doc_lists:
         h.update(len(docs).to_bytes(8, "little"))
@@ -187,8 +192,8 @@ def fingerprint(*doc_lists):
 
 
 def get_tokenizer(docs, vocab_size, cache_dir, key, seed=0):
-    """The cached tokenizer for this corpus and vocab size, trained on first use, and again where
-    the cached one cannot be read (a cache heals)."""
+    """The cached tokenizer for this corpus and vocab size, trained on first
+    use, and again where the cached one cannot be read (a cache heals)."""
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, f"tokenizer-{key}-{vocab_size}.model")
     if os.path.isfile(path):
@@ -207,7 +212,8 @@ ENCODE_BATCH = 1 << 24  # characters encoded at once: SentencePiece's lists take
 
 
 def newline_pieces(text, size):
-    """text in pieces of at most `size` characters, each cut after a newline where one is."""
+    """text in pieces of at most `size` characters, each cut after a newline
+    where one is."""
     start = 0
     while start < len(text):
         end = text.rfind("\n", start, start + size) + 1 if len(text) - start > size else len(text)
@@ -217,8 +223,9 @@ def newline_pieces(text, size):
 
 
 def encode_texts(sp, texts):
-    """The ids int32 of each text, encoded on every core in batches of pieces cut after newlines
-    ("\n" is a piece of its own, so the ids are the whole text's), in bounded memory."""
+    """The ids int32 of each text, encoded on every core in batches of pieces
+    cut after newlines ("\n" is a piece of its own, so the ids are the whole
+    text's), in bounded memory."""
     ids = [[] for _ in texts]
     batch, owners, size = [], [], 0
 
@@ -251,8 +258,9 @@ def encode_document(sp, doc):
 
 
 def tokenize(docs, sp, cache_path=None):
-    """Token arrays, one per document (documents of fewer than 2 tokens are dropped), and the
-    matching reference masks. Cached as one .npz when cache_path is given."""
+    """Token arrays, one per document (documents of fewer than 2 tokens are
+    dropped), and the matching reference masks. Cached as one .npz when
+    cache_path is given."""
     if cache_path and os.path.isfile(cache_path):
         try:
             with np.load(cache_path) as z:
@@ -292,21 +300,24 @@ def tokenize(docs, sp, cache_path=None):
 
 # ----------------------------------------------------------------------------- batching
 class SegmentBatches:
-    """Stream documents through B rows, each cut into consecutive segments of T tokens.
+    """Stream documents through B rows, each cut into consecutive segments of T
+    tokens.
 
-    Each step yields numpy arrays: tokens int32 [B, T]; targets int32 [B, T] (the next token,
-    across segment boundaries inside a document); mask bool [B, T] (False on padding and on a
-    document's last token, which has no target); reset bool [B] (True exactly where a row
-    starts a new document). A document of N tokens gives ceil((N - 1) / T) segments.
+    Each step yields numpy arrays: tokens int32 [B, T]; targets int32 [B, T]
+    (the next token, across segment boundaries inside a document); mask bool [B,
+    T] (False on padding and on a document's last token, which has no target);
+    reset bool [B] (True exactly where a row starts a new document). A document
+    of N tokens gives ceil((N - 1) / T) segments.
 
-    Training (epochs=None): document order is reshuffled every epoch with the seed, forever.
-    No step holds one document in two rows (Sec. 3: each row's subsequence comes from a
-    different document): a row skips the documents other rows are still reading, taking the
-    next free one of the order in their place, and they wait; where the rest of an epoch is all
-    being read, the row starts the next epoch. Evaluation (epochs=1): one pass; finished rows
-    get fully masked segments, and the iterator stops when every row is done.
+    Training (epochs=None): document order is reshuffled every epoch with the
+    seed, forever. No step holds one document in two rows (Sec. 3: each row's
+    subsequence comes from a different document): a row skips the documents
+    other rows are still reading, taking the next free one of the order in their
+    place, and they wait; where the rest of an epoch is all being read, the row
+    starts the next epoch. Evaluation (epochs=1): one pass; finished rows get
+    fully masked segments, and the iterator stops when every row is done.
     `position()` / `restore()` save and resume.
-    """
+"""
 
     def __init__(self, docs, batch_size, segment_length, seed=0, epochs=None):
         if batch_size <= 0 or segment_length <= 0:
@@ -332,7 +343,8 @@ class SegmentBatches:
         return order
 
     def _take_document(self, busy):
-        """The next document of the order that no other row is reading (`busy`)."""
+        """The next document of the order that no other row is reading (`busy`).
+        """
         while True:
             if self.next_doc == len(self._order):
                 if self.epochs is not None and self.epoch + 1 >= self.epochs:
@@ -350,8 +362,8 @@ class SegmentBatches:
             return d
 
     def _reading(self, b, batch):
-        """The documents the other rows read at this step: rows before b have taken theirs,
-        rows after b go on with theirs unless finished."""
+        """The documents the other rows read at this step: rows before b have
+        taken theirs, rows after b go on with theirs unless finished."""
         before = {int(d) for d in batch["doc"][:b] if d >= 0}
         after = {
             r[0] for r in self.rows[b + 1 :] if r is not None and r[1] < len(self.docs[r[0]]) - 1
@@ -401,8 +413,9 @@ class SegmentBatches:
         }
 
     def restore(self, pos):
-        """Continue from position(). A position that does not fit these documents (a row in a
-        document past the last, more or fewer rows) is a ValueError, not a later IndexError."""
+        """Continue from position(). A position that does not fit these
+        documents (a row in a document past the last, more or fewer rows) is a
+        ValueError, not a later IndexError."""
         epoch, next_doc, rows = pos["epoch"], pos["next_doc"], pos["rows"]
         is_count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
         fits = (
@@ -438,15 +451,18 @@ class SegmentBatches:
 
 
 def segment_batches(docs, batch_size, segment_length, seed=0):
-    """The core of the pipeline: an endless iterator of batches (see SegmentBatches)."""
+    """The core of the pipeline: an endless iterator of batches (see
+    SegmentBatches)."""
     return SegmentBatches(docs, batch_size, segment_length, seed)
 
 
 # ------------------------------------------------------------ where a token's context was last seen
 def context_distance(doc, n=3):
-    """For each target doc[i], i >= 1: how many tokens back its context (the n tokens ending
-    at it) last occurred in the document, 0 if never. A context last seen beyond the local
-    window but within the memory is what only the memory can help to predict."""
+    """For each target doc[i], i >= 1: how many tokens back its context (the n
+    tokens ending at it) last occurred in the document, 0 if never. A context
+    last seen beyond the local window but within the memory is what only the
+    memory can help to predict.
+"""
     last, out = {}, np.zeros(len(doc), np.int64)
     for i in range(n - 1, len(doc)):
         key = tuple(int(t) for t in doc[i - n + 1 : i + 1])
@@ -456,8 +472,8 @@ def context_distance(doc, n=3):
 
 
 def reach(distance, window, memory_size):
-    """Where a context last seen `distance` tokens back lies: new, in the window (local
-    attention and XL cache), in the memory, or beyond it."""
+    """Where a context last seen `distance` tokens back lies: new, in the window
+    (local attention and XL cache), in the memory, or beyond it."""
     if distance == 0:
         return "new"
     return (
@@ -475,28 +491,31 @@ BANDS = REPEAT_BANDS + ("far_span",)  # far_span: a part of far_repeat (span_ban
 
 
 def repeat_bands(doc, window, memory_size, n=3):
-    """The band of each target doc[i], i >= 1, by where its context (the n = 3 tokens ending at
-    it: a 3-gram of BPE pieces rarely recurs by chance, a single piece everywhere) last occurred
-    in the document: near_repeat within the local window (T + the XL cache), far_repeat beyond it
-    but within the memory (what only the memory can reach), new never, beyond farther."""
+    """The band of each target doc[i], i >= 1, by where its context (the n = 3
+    tokens ending at it: a 3-gram of BPE pieces rarely recurs by chance, a
+    single piece everywhere) last occurred in the document: near_repeat within
+    the local window (T + the XL cache), far_repeat beyond it but within the
+    memory (what only the memory can reach), new never, beyond farther."""
     names = {"window": "near_repeat", "memory": "far_repeat", "new": "new", "beyond": "beyond"}
     return np.array([names[reach(int(d), window, memory_size)] for d in context_distance(doc, n)])
 
 
 def span_band(doc, window, memory_size, n=SPAN, bands=None):
-    """far_span: the far_repeat targets whose n-token context also last occurred beyond the
-    window and within the memory. A 3-token context on code is often an idiom (`self.`,
-    `return`) that recurs everywhere; a whole line repeated verbatim is what retrieval copies.
-    bands: the document's repeat_bands, where the caller has them."""
+    """far_span: the far_repeat targets whose n-token context also last occurred
+    beyond the window and within the memory. A 3-token context on code is often
+    an idiom (`self.`, `return`) that recurs everywhere; a whole line repeated
+    verbatim is what retrieval copies. bands: the document's repeat_bands, where
+    the caller has them."""
     bands = repeat_bands(doc, window, memory_size) if bands is None else bands
     far = bands == "far_repeat"  # [len(doc) - 1]
     return far & (repeat_bands(doc, window, memory_size, n) == "far_repeat")
 
 
 def reference_distances(tokens, is_reference):
-    """For each reference token, how many tokens back the same (previous token, token) pair
-    last occurred: how far a model must look to copy it. 0 for other tokens; -1 for a
-    reference whose pair never occurred before (a tokenization that split a word)."""
+    """For each reference token, how many tokens back the same (previous token,
+    token) pair last occurred: how far a model must look to copy it. 0 for other
+    tokens; -1 for a reference whose pair never occurred before (a tokenization
+    that split a word)."""
     tokens = np.asarray(tokens)
     dist = np.zeros(len(tokens), np.int64)
     seen = {}
@@ -510,7 +529,9 @@ def reference_distances(tokens, is_reference):
 
 # ----------------------------------------------------------------------------- a run's data
 def check_tokens(tokens, vocab_size):
-    """A clear error for token ids outside [0, vocab_size): the model never clips them."""
+    """A clear error for token ids outside [0, vocab_size): the model never
+    clips them.
+"""
     tokens = np.asarray(tokens)
     bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
     if bad.size:
@@ -518,12 +539,14 @@ def check_tokens(tokens, vocab_size):
 
 
 def first_tokens(docs, n):
-    """Each document's first n targets (its first n + 1 tokens); n = 0: the whole document."""
+    """Each document's first n targets (its first n + 1 tokens); n = 0: the
+    whole document."""
     return [d[: n + 1] for d in docs] if n else list(docs)
 
 
 class DataOptions(NamedTuple):
-    """What chooses a run's data and its validation (train.py's flags of the same names)."""
+    """What chooses a run's data and its validation (train.py's flags of the
+    same names)."""
 
     data: str
     data_format: str
@@ -536,11 +559,11 @@ class DataOptions(NamedTuple):
 
 
 def prepare(options, vocab_size, tokenizer_path=None):
-    """A run's data, from its DataOptions: (train tokens, validation tokens cut to eval_docs and
-    eval_tokens (0: whole), their reference distances or None, the tokenizer's path, the
-    fingerprints of the training and the whole validation documents, (held-out documents, their
-    token share)).
-    Writes only to the cache, whose every file is named by a hash of what determines it."""
+    """A run's data, from its DataOptions: (train tokens, validation tokens cut
+    to eval_docs and eval_tokens (0: whole), their reference distances or None,
+    the tokenizer's path, the fingerprints of the training and the whole
+    validation documents, (held-out documents, their token share)). Writes only
+    to the cache, whose every file is named by a hash of what determines it."""
     os.makedirs(options.cache_dir, exist_ok=True)
     suffixes = corpora.parse_suffixes(options.suffixes)
     docs = corpora.load_documents(options.data, options.data_format, seed=0, suffixes=suffixes)

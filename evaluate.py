@@ -55,11 +55,12 @@ def eval_changes(args):
 
 
 def load_run(run_dir, memory_size=None, changes=None):
-    """(config, params, tokenizer, saved args) of a run; memory_size overrides the config's
-    (Sec. 4.4: a model trained with a small memory evaluated with a larger one), and so do
-    `changes` (EVAL_FIELDS: {field: value}). The args carry the checkpoint's fingerprints of its
-    documents and tokenizer, "documents" and "tokenizer" (None where it has none); a tokenizer
-    other than the checkpoint's is refused."""
+    """(config, params, tokenizer, saved args) of a run; memory_size overrides
+    the config's (Sec. 4.4: a model trained with a small memory evaluated with a
+    larger one), and so do `changes` (EVAL_FIELDS: {field: value}). The args
+    carry the checkpoint's fingerprints of its documents and tokenizer,
+    "documents" and "tokenizer" (None where it has none); a tokenizer other than
+    the checkpoint's is refused."""
     saved = runs.read_run_config(run_dir)
     config = saved["config"]
     changes = dict(changes or {})
@@ -111,8 +112,9 @@ def load_run(run_dir, memory_size=None, changes=None):
 
 
 def validation_docs(args, run_args, sp, config):
-    """The run's validation documents as training scored them, as token arrays: the same
-    split, the run's --suffixes (for its own corpus) and its --min-doc-tokens filter."""
+    """The run's validation documents as training scored them, as token arrays:
+    the same split, the run's --suffixes (for its own corpus) and its
+    --min-doc-tokens filter."""
     if not args.data:
         runs.check_run_data_here(run_args["data"])
     source = args.data or run_args["data"]
@@ -154,8 +156,9 @@ def read_memory(args, config, params):
 
 
 def load_memory(args, config, params, memory_size=None):
-    """(config, start state, memory_file.Memory) of --load-memory, or (config, None, None)
-    without; memory_size adds free slots to the file's, or keeps its last ones (FIFO)."""
+    """(config, start state, memory_file.Memory) of --load-memory, or (config,
+    None, None) without; memory_size adds free slots to the file's, or keeps its
+    last ones (FIFO)."""
     if not args.load_memory:
         return config, None, None
     memory = read_memory(args, config, params)
@@ -163,8 +166,9 @@ def load_memory(args, config, params, memory_size=None):
 
 
 def fifo_start(memory, config, size=None):
-    """(config, start state, memory) of a memory of `size` slots (default: the file's): the
-    file's and free ones, or its last ones (memory_file.last_slots), the memory they hold."""
+    """(config, start state, memory) of a memory of `size` slots (default: the
+    file's): the file's and free ones, or its last ones
+    (memory_file.last_slots), the memory they hold."""
     if size is not None and size < 1:
         raise cli.UsageError(f"--memory-size {size} leaves no slot for --load-memory's pairs.")
     if size is not None and size < memory.header["slots"]:
@@ -177,8 +181,8 @@ def fifo_start(memory, config, size=None):
 
 
 def score_documents(args, sp, config):
-    """--score PATH: every file under it whole, each its own document, in sorted order,
-    read as memorize.py reads a code base."""
+    """--score PATH: every file under it whole, each its own document, in sorted
+    order, read as memorize.py reads a code base."""
     if not os.path.exists(args.score):
         raise cli.UsageError(f"--score {args.score} does not exist.")
     files = corpora.read_tree(args.score, corpora.parse_suffixes(args.suffixes))
@@ -192,9 +196,9 @@ def score_documents(args, sp, config):
 
 
 def cmd_score(args):
-    """perplexity with --load-memory or --score: the files of --score (or the validation
-    documents), each from the loaded memory and from a memory as large with no valid
-    slot; the memorized band's loss both ways."""
+    """perplexity with --load-memory or --score: the files of --score (or the
+    validation documents), each from the loaded memory and from a memory as
+    large with no valid slot; the memorized band's loss both ways."""
     # --memory-size: the run's M, or with --load-memory the slots to grow the file's to
     size = None if args.load_memory else args.memory_size
     changes = eval_changes(args)
@@ -238,8 +242,9 @@ def cmd_score(args):
 
 
 def token_table(sp, docs, losses, memorized):
-    """--csv of a scored memory: a row per target (document, index, id, piece), its loss
-    (and with the empty memory), and whether it is in the memorized band."""
+    """--csv of a scored memory: a row per target (document, index, id, piece),
+    its loss (and with the empty memory), and whether it is in the memorized
+    band."""
     table = io.StringIO(newline="")
     w = csv.writer(table)
     w.writerow(["document", "index", "target", "target_piece", *losses, "memorized"])
@@ -252,8 +257,9 @@ def token_table(sp, docs, losses, memorized):
 
 
 def documents_to_score(args, run_args, sp, config):
-    """The documents a command scores: --score's files whole, or the run's held-out documents
-    as --eval-docs and --eval-tokens cut them (default: as the run did)."""
+    """The documents a command scores: --score's files whole, or the run's
+    held-out documents as --eval-docs and --eval-tokens cut them (default: as
+    the run did)."""
     if args.score:
         return score_documents(args, sp, config)
     docs = validation_docs(args, run_args, sp, config)[0]
@@ -263,9 +269,9 @@ def documents_to_score(args, run_args, sp, config):
 
 
 def refuse_unused(args):
-    """A flag that the command does not use with the options given is refused, not ignored:
-    --suffixes reads --score's files, and --eval-docs and --eval-tokens cut the held-out
-    documents, which --score replaces."""
+    """A flag that the command does not use with the options given is refused,
+    not ignored: --suffixes reads --score's files, and --eval-docs and
+    --eval-tokens cut the held-out documents, which --score replaces."""
     if getattr(args, "suffixes", None) and not getattr(args, "score", None):
         raise cli.UsageError("--suffixes chooses --score's files; without --score it does nothing.")
     for flag in ("eval_docs", "eval_tokens"):
@@ -329,7 +335,8 @@ def cmd_perplexity(args):
 
 
 def _doc(args, run_args, sp, config):
-    """The --doc'th document, of --score's files where given, else of the validation set."""
+    """The --doc'th document, of --score's files where given, else of the
+    validation set."""
     if getattr(args, "score", None):
         docs = score_documents(args, sp, config)
         refs, where = [np.zeros(len(d), bool) for d in docs], f"--score {args.score}"
@@ -346,8 +353,9 @@ def _doc(args, run_args, sp, config):
 
 
 def token_kind(sp, token):
-    """Appendix B's classes of a target token: a number, a Python keyword or punctuation, an
-    identifier (any other word-like piece), or other (whitespace, bytes, mixed pieces)."""
+    """Appendix B's classes of a target token: a number, a Python keyword or
+    punctuation, an identifier (any other word-like piece), or other
+    (whitespace, bytes, mixed pieces)."""
     text = token_text(sp, token).strip()
     if re.fullmatch(r"\d[\w.]*", text):
         return "number"
@@ -433,10 +441,11 @@ def cmd_compare(args):
 
 
 def slot_position(slot, segment, config, start=0):
-    """The document position held by memory `slot` while segment `segment` is processed: segment
-    i of a document is written at slots (start + i * T) mod M onwards (start: a loaded memory's
-    write position), and the memory holds the latest. None: the slot holds what the memory
-    held when the document started (a loaded memory's pair, or nothing)."""
+    """The document position held by memory `slot` while segment `segment` is
+    processed: segment i of a document is written at slots (start + i * T) mod M
+    onwards (start: a loaded memory's write position), and the memory holds the
+    latest. None: the slot holds what the memory held when the document started
+    (a loaded memory's pair, or nothing)."""
     T, per = config.segment_length, config.memory_size // config.segment_length
     block = (slot - start) % config.memory_size // T  # segments 0, per, 2 per, ... wrote here
     if block >= segment:
@@ -446,8 +455,9 @@ def slot_position(slot, segment, config, start=0):
 
 
 class Sources:
-    """Where the pairs that a document's queries retrieve came from: the document's own
-    tokens, or a loaded memory's slots (memorize.py's source file, line and tokens)."""
+    """Where the pairs that a document's queries retrieve came from: the
+    document's own tokens, or a loaded memory's slots (memorize.py's source
+    file, line and tokens)."""
 
     def __init__(self, sp, config, doc, memory=None, start=None):
         self.sp, self.config, self.doc = sp, config, doc
@@ -457,12 +467,13 @@ class Sources:
         self.files = memory.header["files"] if memory else []
 
     def position(self, slot, segment):
-        """The document position of a retrieved slot, or None for a loaded memory's slot."""
+        """The document position of a retrieved slot, or None for a loaded
+        memory's slot."""
         return slot_position(slot, segment, self.config, self.start)
 
     def memorized(self, slot):
-        """A loaded memory's slot: (its file:line, its token id, the tokens of its file in
-        the slots around it: before [n], after [n])."""
+        """A loaded memory's slot: (its file:line, its token id, the tokens of
+        its file in the slots around it: before [n], after [n])."""
         a = self.memory
         around = slice(max(slot - 40, 0), slot + 11)
         near = np.arange(len(a["token"]))[around]  # [n]
@@ -522,9 +533,10 @@ def cmd_inspect(args):
 
 
 def cmd_recall(args):
-    """Recall of the approximate top-k on the real queries and keys of a trained model: the same
-    document streamed with approximate and exact top-k (the memory's contents do not depend on
-    which: the memory layer's keys come from the layers below it)."""
+    """Recall of the approximate top-k on the real queries and keys of a trained
+    model: the same document streamed with approximate and exact top-k (the
+    memory's contents do not depend on which: the memory layer's keys come from
+    the layers below it)."""
     changes = eval_changes(args)
     config, params, sp, run_args = load_run(args.run_dir, args.memory_size, changes)
     if not config.active_memory_layers:
@@ -579,8 +591,9 @@ def cmd_recall(args):
 
 
 def token_text(sp, token):
-    """How a token reads on the page: its piece, with SentencePiece's word mark as a space and
-    a byte piece of an ASCII character as that character (other bytes stay <0xNN>)."""
+    """How a token reads on the page: its piece, with SentencePiece's word mark
+    as a space and a byte piece of an ASCII character as that character (other
+    bytes stay <0xNN>)."""
     piece = sp.id_to_piece(int(token)).replace("\u2581", " ")
     if re.fullmatch(r"<0x[0-7][0-9A-F]>", piece):
         return chr(int(piece[3:5], 16))
@@ -588,12 +601,13 @@ def token_text(sp, token):
 
 
 def explore_data(params, config, sp, doc, top, run_dir, index, memory=None, start=None):
-    """The numbers behind the explore page: every token of `doc` (ids and pieces), the loss of
-    predicting it with the memory on and off (as `inspect`), and for each query position,
-    per head of the first memory layer, its `top` retrieved memories by attention weight:
-    document position and weight in thousandths (-1 and 0 where a slot held nothing).
-    With a loaded memory (load_memory's), a retrieved pair of it has position -1 and its
-    index in "memorized" ([file:line, context before, piece, context after]) in
+    """The numbers behind the explore page: every token of `doc` (ids and
+    pieces), the loss of predicting it with the memory on and off (as
+    `inspect`), and for each query position, per head of the first memory layer,
+    its `top` retrieved memories by attention weight: document position and
+    weight in thousandths (-1 and 0 where a slot held nothing). With a loaded
+    memory (load_memory's), a retrieved pair of it has position -1 and its index
+    in "memorized" ([file:line, context before, piece, context after]) in
     "memory_source" (-1 for the document's own pairs)."""
     ce_on, retrievals = evaluation.per_token_loss(params, config, doc, start)
     ce_off, _ = evaluation.per_token_loss(mt.memory_off(params), config, doc)
@@ -651,9 +665,10 @@ def explore_data(params, config, sp, doc, top, run_dir, index, memory=None, star
 
 
 def script_json(value):
-    """JSON to put inside a <script> element: with no "<" in it (each is written \\u003c, the
-    same string to JSON), no text of the document, such as "</script>" or "<!--<script>",
-    can end the element early or change how the HTML parser reads it."""
+    """JSON to put inside a <script> element: with no "<" in it (each is written
+    \\u003c, the same string to JSON), no text of the document, such as
+    "</script>" or "<!--<script>", can end the element early or change how the
+    HTML parser reads it."""
     return json.dumps(value, separators=(",", ":")).replace("<", "\\u003c")
 
 
@@ -686,11 +701,12 @@ CURVE_BANDS = ("near_repeat", "far_repeat", "beyond", "new", "far_span")
 
 
 def cmd_curve(args):
-    """Sec. 4.4 and Table 1's claim, drawn for one model: the loss at each of --memory-sizes.
-    In the document (the run's held-out documents), each size against the memory-off ablation;
-    from a memorized code base (--load-memory, memorized once at the largest size), each size
-    keeps the file's last slots (FIFO) and is scored against an empty memory of the same size.
-    The bands are fixed at --band-memory's reach (default: the run's M), so that every size is
+    """Sec. 4.4 and Table 1's claim, drawn for one model: the loss at each of
+    --memory-sizes. In the document (the run's held-out documents), each size
+    against the memory-off ablation; from a memorized code base (--load-memory,
+    memorized once at the largest size), each size keeps the file's last slots
+    (FIFO) and is scored against an empty memory of the same size. The bands are
+    fixed at --band-memory's reach (default: the run's M), so that every size is
     scored on the same tokens."""
     sizes = args.memory_sizes
     changes = eval_changes(args)
@@ -727,7 +743,8 @@ def cmd_curve(args):
 
 
 def curve_row(m, r, seconds):
-    """A size's row: its loss, perplexity and bands (None where a band has no token)."""
+    """A size's row: its loss, perplexity and bands (None where a band has no
+    token)."""
     row = {"memory_size": m, "loss": r["loss"], "perplexity": r["perplexity"]}
     row["tokens"] = r["tokens"]
     for b in CURVE_BANDS + ("memorized",):
@@ -739,8 +756,8 @@ def curve_row(m, r, seconds):
 
 
 def document_curve(params, config, docs, sizes, band):
-    """The held-out documents at each size, and once with the memory off (the same at every
-    size: no gate lets the memory in)."""
+    """The held-out documents at each size, and once with the memory off (the
+    same at every size: no gate lets the memory in)."""
     B, rows = config.batch_size, []
     for m in sizes:
         started = time.perf_counter()
@@ -755,8 +772,9 @@ def document_curve(params, config, docs, sizes, band):
 
 
 def memorized_curve(args, params, config, docs, memory, sizes, band):
-    """Each size from the loaded memory's last slots (or all of it and free ones), and from an
-    empty memory of the same size; the memorized band both ways."""
+    """Each size from the loaded memory's last slots (or all of it and free
+    ones), and from an empty memory of the same size; the memorized band both
+    ways."""
     rows, T = [], config.segment_length
     for m in sizes:
         started = time.perf_counter()
@@ -777,7 +795,8 @@ def memorized_curve(args, params, config, docs, memory, sizes, band):
 
 
 def print_curve(result):
-    """The curve as a table: a row a size, the loss against the base (memory off, or empty)."""
+    """The curve as a table: a row a size, the loss against the base (memory
+    off, or empty)."""
     memorized = result["load_memory"] is not None
     base = "empty" if memorized else "off"
     bands = ("memorized",) + CURVE_BANDS if memorized else CURVE_BANDS
@@ -806,7 +825,8 @@ def print_curve(result):
 
 
 def plot_curve(result, path):
-    """The curve as a PNG: the loss against log2 M beside its base, and each band."""
+    """The curve as a PNG: the loss against log2 M beside its base, and each
+    band."""
     try:
         import matplotlib
 
@@ -847,9 +867,10 @@ TABLE_ROWS = [  # Table 1's rows, in miniature: (name, memory size in segments, 
 
 
 def within_reach(key_pos, query_pos, config):
-    """Whether the query at query_pos can attend to the key at key_pos (same document, earlier):
-    in its own segment, in the XL cache (the previous segment), or in the memory, which holds
-    the M / T segments before the query's (the ring buffer, cleared at the document's start)."""
+    """Whether the query at query_pos can attend to the key at key_pos (same
+    document, earlier): in its own segment, in the XL cache (the previous
+    segment), or in the memory, which holds the M / T segments before the
+    query's (the ring buffer, cleared at the document's start)."""
     T = config.segment_length
     back = query_pos // T - key_pos // T
     memory = config.memory_size // T if config.active_memory_layers else 0
@@ -862,8 +883,9 @@ REACH_MAX_TOKENS = (
 
 
 def cmd_reach(args):
-    """Sec. 4.4: one model, memories of several sizes, references D tokens back. The probes'
-    loss is low where the memory holds the definition, and at chance where it does not."""
+    """Sec. 4.4: one model, memories of several sizes, references D tokens back.
+    The probes' loss is low where the memory holds the definition, and at chance
+    where it does not."""
     probe_tokens = args.docs * sum(
         args.distances
     )  # about: each document is its distance and ~100 tokens more
@@ -961,9 +983,9 @@ def cmd_reach(args):
 
 
 def check_planned_run(out, flags):
-    """A directory that a table or a fine-tuning would reuse or resume must hold the run that
-    `flags` train: one of other settings (another --segment-length, --data, seed, ...) is
-    refused, not reported as this one."""
+    """A directory that a table or a fine-tuning would reuse or resume must hold
+    the run that `flags` train: one of other settings (another --segment-length,
+    --data, seed, ...) is refused, not reported as this one."""
     if not os.path.isfile(os.path.join(out, "config.json")):
         return
     args, saved = train.build_parser().parse_args(flags), runs.read_run_config(out)
@@ -990,13 +1012,14 @@ def check_planned_run(out, flags):
 
 
 def planned_config(args):
-    """The config that train.py's parsed flags `args` give a new run (of their --preset)."""
+    """The config that train.py's parsed flags `args` give a new run (of their
+    --preset)."""
     return cli.config_from_args(args, presets.PRESETS[args.preset], f"the {args.preset} preset")
 
 
 def cache_flags(args):
-    """--cache-dir for every run that table and finetune train or resume (train.py's default
-    where it is not given)."""
+    """--cache-dir for every run that table and finetune train or resume
+    (train.py's default where it is not given)."""
     if args.cache_dir is None:
         return []
     runs.check_writable_dir(args.cache_dir, "--cache-dir")
@@ -1004,9 +1027,11 @@ def cache_flags(args):
 
 
 def finished_or_trained(name, out, flags, steps, cache):
-    """The eval.json of the run in `out` once it has finished at `steps` (a global step count):
-    reused if it has, resumed if it stopped before, trained with `flags` if it is new; cache
-    (cache_flags) in both cases. An exit code instead if training fails."""
+    """The eval.json of the run in `out` once it has finished at `steps` (a
+    global step count): reused if it has, resumed if it stopped before, trained
+    with `flags` if it is new; cache (cache_flags) in both cases. An exit code
+    instead if training fails.
+"""
     ev = runs.read_json(os.path.join(out, "eval.json"))
     if (
         ev
@@ -1171,9 +1196,11 @@ def eval_curve(run_dir):
 
 
 def cmd_finetune(args):
-    """Sec. 4.4: a model trained without memory learns to use one when fine-tuned with it.
-    Three runs of one preset: without memory for --pretrain-steps; from it, with memory, for
-    --finetune-steps more; and with memory from scratch for the same total."""
+    """Sec. 4.4: a model trained without memory learns to use one when
+    fine-tuned with it. Three runs of one preset: without memory for
+    --pretrain-steps; from it, with memory, for --finetune-steps more; and with
+    memory from scratch for the same total.
+"""
     total = args.pretrain_steps + args.finetune_steps
     common = [
         "--preset",

@@ -22,7 +22,8 @@ import startup
 
 
 def step_config(config):
-    """The fields a compiled step depends on: runs that differ only in steps or seed share it."""
+    """The fields a compiled step depends on: runs that differ only in steps or
+    seed share it."""
     return config.replace(steps=1, seed=0)
 
 
@@ -30,13 +31,15 @@ MODEL_INPUTS = ("tokens", "targets", "mask", "reset")
 
 
 def model_inputs(batch):
-    """The arrays of a batch that the steps take (data.py adds doc and offset, to read by)."""
+    """The arrays of a batch that the steps take (data.py adds doc and offset,
+    to read by)."""
     return {k: batch[k] for k in MODEL_INPUTS}
 
 
 class Scored(NamedTuple):
-    """What a forward step gives: the new state; the cross-entropy [B, T] (0 on padding);
-    the logits [B, T, V] and the retrievals (mt.forward's), where asked for, else None."""
+    """What a forward step gives: the new state; the cross-entropy [B, T] (0 on
+    padding); the logits [B, T, V] and the retrievals (mt.forward's), where
+    asked for, else None."""
 
     state: mt.State
     loss: jax.Array
@@ -46,10 +49,10 @@ class Scored(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def make_forward_step(config, donate=True, logits=False, retrievals=False, ops=None):
-    """forward over a segment of every row, jitted once per config, for training's
-    evaluation, evaluate.py, sample.py and memorize.py: (params, state, batch) ->
-    Scored. donate=False keeps the state given. ops: kernels.fast with the
-    config's knobs, unless given."""
+    """forward over a segment of every row, jitted once per config, for
+    training's evaluation, evaluate.py, sample.py and memorize.py: (params,
+    state, batch) -> Scored. donate=False keeps the state given. ops:
+    kernels.fast with the config's knobs, unless given."""
     ops = ops or kernels.of(config)
 
     def step(params, state, batch):
@@ -70,9 +73,10 @@ DISTANCE_BANDS = {"near": (0, 1), "mid": (1, 2), "far": (2, float("inf"))}  # (l
 
 
 def start_documents(state, reset, start):
-    """Rows that start a document begin from `start`'s memory (a loaded one, one row)
-    instead of an empty one, and without an XL cache; forward then takes them as going
-    on (reset False), so that nothing clears or appends. Returns (state, reset)."""
+    """Rows that start a document begin from `start`'s memory (a loaded one, one
+    row) instead of an empty one, and without an XL cache; forward then takes
+    them as going on (reset False), so that nothing clears or appends. Returns
+    (state, reset)."""
     r = reset.astype(bool)  # [B]
 
     def pick(new, old):  # new [1, ...] where r, else old [B, ...]
@@ -92,10 +96,11 @@ restore = jax.jit(start_documents, donate_argnums=(0,))
 
 
 def memorized_band(doc, held, position, size, T, n=3):
-    """For each target doc[i], i >= 1: whether its context (the n tokens ending at it)
-    occurs in the memorized tokens still held when it is scored, and not earlier in doc.
-    held: the loaded memory's tokens, slot 0 on, in the order streamed (memorize.py's);
-    the document's own segments then overwrite slots from `position` on, T at a time."""
+    """For each target doc[i], i >= 1: whether its context (the n tokens ending
+    at it) occurs in the memorized tokens still held when it is scored, and not
+    earlier in doc. held: the loaded memory's tokens, slot 0 on, in the order
+    streamed (memorize.py's); the document's own segments then overwrite slots
+    from `position` on, T at a time."""
     held, doc = np.asarray(held, np.int64), np.asarray(doc, np.int64)
     V = int(max(held.max(initial=0), doc.max(initial=0))) + 1
     if V**n >= 2**63:
@@ -123,15 +128,16 @@ def memorized_band(doc, held, position, size, T, n=3):
 
 def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, band_memory=None,
              start=None, memorized=None, per_token=False):
-    """Token-level validation loss, each document from its start with a fresh memory,
-    and the loss in each of data.BANDS (far_repeat_loss, far_repeat_tokens, ...,
-    far_span_loss), by the reach of a memory of band_memory slots (default: the config's).
-    start: a loaded memory's one-row state (memory_file.start_state), which each document
-    starts from, one row at a time; memorized: per document, memorized_band's mask, whose
-    loss and count become memorized_loss and memorized_tokens. per_token: the result's
-    "per_token" holds each document's losses, [len(doc) - 1] each.
-    distances (synthetic data, per document): how far back each reference token's
-    value last appeared; the result then also has the loss on the references in each
+    """Token-level validation loss, each document from its start with a fresh
+    memory, and the loss in each of data.BANDS (far_repeat_loss,
+    far_repeat_tokens, ..., far_span_loss), by the reach of a memory of
+    band_memory slots (default: the config's). start: a loaded memory's one-row
+    state (memory_file.start_state), which each document starts from, one row at
+    a time; memorized: per document, memorized_band's mask, whose loss and count
+    become memorized_loss and memorized_tokens. per_token: the result's
+    "per_token" holds each document's losses, [len(doc) - 1] each. distances
+    (synthetic data, per document): how far back each reference token's value
+    last appeared; the result then also has the loss on the references in each
     band, e.g. reference_loss_far."""
     eval_step = eval_step or make_forward_step(step_config(config))
     rows = 1 if start is not None else max(1, min(batch_size, len(docs)))
@@ -204,8 +210,9 @@ def evaluate(params, config, docs, batch_size, eval_step=None, distances=None, b
 
 
 def full_evaluation(params, config, docs, distances, eval_step, band_memory=None):
-    """evaluate(), and for a memory model the memory-off ablation's loss, perplexity, band
-    and reference losses under the same names with a _memory_off suffix."""
+    """evaluate(), and for a memory model the memory-off ablation's loss,
+    perplexity, band and reference losses under the same names with a
+    _memory_off suffix."""
     B = config.batch_size
     result = evaluate(params, config, docs, B, eval_step, distances, band_memory)
     if config.active_memory_layers:
@@ -218,8 +225,8 @@ def full_evaluation(params, config, docs, distances, eval_step, band_memory=None
 
 def format_eval(step, r):
     """The printed line of an evaluation: loss, perplexity, memory off, the
-    far-repeat tokens' loss (only the memory reaches them), reference losses; each
-    with the memory off beside it."""
+    far-repeat tokens' loss (only the memory reaches them), reference losses;
+    each with the memory off beside it."""
     off = f" (memory off {r['perplexity_memory_off']:.2f})" if "perplexity_memory_off" in r else ""
     line = f"eval {step:6d} | loss {r['loss']:.4f} | ppl {r['perplexity']:9.2f}{off}"
     parts = [("far-repeat", "far_repeat_loss")]
@@ -232,7 +239,8 @@ def format_eval(step, r):
 
 
 def scored(r):
-    """How many tokens an evaluation scored, and how many after the memory was full."""
+    """How many tokens an evaluation scored, and how many after the memory was
+    full."""
     full = r.get("tokens_memory_full")
     tokens = corpora.plural(r["tokens"], "token")
     return tokens + ("" if full is None else f" ({full} after the memory filled)")
@@ -253,9 +261,9 @@ def eval_record(step, r):
 
 
 def per_token_loss(params, config, doc, start=None):
-    """Cross-entropy of every prediction of one document, from its start with a fresh
-    memory (or a loaded one, `start`): a float array of len(doc) - 1, and the retrievals
-    of each segment."""
+    """Cross-entropy of every prediction of one document, from its start with a
+    fresh memory (or a loaded one, `start`): a float array of len(doc) - 1, and
+    the retrievals of each segment."""
     step = make_forward_step(step_config(config), retrievals=True)
     state = mt.init_state(config, 1)
     losses, retrievals = [], []

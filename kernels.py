@@ -23,15 +23,17 @@ def backend():
 
 # ----------------------------------------------------------------------------- local attention
 def query_block(T):
-    """Queries per block of the local attention: half the segment on a CPU, a quarter elsewhere."""
+    """Queries per block of the local attention: half the segment on a CPU, a
+    quarter elsewhere."""
     n = 2 if backend() == "cpu" else 4
     return T // n if T % n == 0 else T
 
 
 def position_bias(rel_bias, buckets, one_hot=None):
-    """The T5 bias of each (query, key) pair, rel_bias [num_buckets, H], buckets int [...] -> [H,
-    ...]. A gather on a CPU. On a GPU (one_hot None) a product with the buckets' one-hot matrix, so
-    that its gradient is a matmul, not a scatter-add of every pair into num_buckets slots."""
+    """The T5 bias of each (query, key) pair, rel_bias [num_buckets, H], buckets
+    int [...] -> [H, ...]. A gather on a CPU. On a GPU (one_hot None) a product
+    with the buckets' one-hot matrix, so that its gradient is a matmul, not a
+    scatter-add of every pair into num_buckets slots."""
     if not (backend() == "gpu" if one_hot is None else one_hot):
         return jnp.moveaxis(rel_bias[buckets], -1, 0)
     hot = jax.nn.one_hot(buckets, rel_bias.shape[0], dtype=rel_bias.dtype)  # [..., num_buckets]
@@ -40,8 +42,9 @@ def position_bias(rel_bias, buckets, one_hot=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def broadcast_rows(x, rows):
-    """x repeated along a new leading axis of `rows`, whose gradient (a sum over that axis) is a
-    product with a vector of ones: XLA's CPU backend sums over a leading axis alone slowly."""
+    """x repeated along a new leading axis of `rows`, whose gradient (a sum over
+    that axis) is a product with a vector of ones: XLA's CPU backend sums over a
+    leading axis alone slowly."""
     return jnp.broadcast_to(x, (rows,) + x.shape)
 
 
@@ -52,10 +55,12 @@ broadcast_rows.defvjp(
 
 
 def transpose_product(a, b, precision=None):
-    """a^T b in float32 for a [..., K, M], b [..., K, N], contracting the leading axis of both. On a
-    CPU the smaller operand is transposed first, as a copy of its own (an optimization barrier keeps
-    XLA from folding the transpose back into the product): XLA's CPU backend runs a product that
-    contracts the leading axis of both as a generic dot, slower than the library matmul."""
+    """a^T b in float32 for a [..., K, M], b [..., K, N], contracting the
+    leading axis of both. On a CPU the smaller operand is transposed first, as a
+    copy of its own (an optimization barrier keeps XLA from folding the
+    transpose back into the product): XLA's CPU backend runs a product that
+    contracts the leading axis of both as a generic dot, slower than the library
+    matmul."""
     apart = jax.lax.optimization_barrier if backend() == "cpu" else (lambda x: x)
     swap = lambda x: jnp.swapaxes(x, -1, -2)
     product = functools.partial(jnp.matmul, preferred_element_type=jnp.float32, precision=precision)
@@ -70,8 +75,9 @@ def _pad_rows(x, rows):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def product_qk(q, k, precision, constant_rows=0):
-    """q k^T in float32: q [..., Q, D], k [..., W, D] -> [..., Q, W]. Its gradient's k side is a
-    transpose_product, and the first constant_rows keys (the XL cache's) get 0, not computed."""
+    """q k^T in float32: q [..., Q, D], k [..., W, D] -> [..., Q, W]. Its
+    gradient's k side is a transpose_product, and the first constant_rows keys
+    (the XL cache's) get 0, not computed."""
     return jnp.einsum(
         "...qd,...wd->...qw", q, k, preferred_element_type=jnp.float32, precision=precision
     )
@@ -92,7 +98,8 @@ product_qk.defvjp(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def product_pv(p, v, precision, constant_rows=0):
-    """p v in float32: p [..., Q, W], v [..., W, D] -> [..., Q, D], its gradient as product_qk's."""
+    """p v in float32: p [..., Q, W], v [..., W, D] -> [..., Q, D], its gradient
+    as product_qk's."""
     return jnp.matmul(p, v, preferred_element_type=jnp.float32, precision=precision)
 
 
@@ -112,10 +119,10 @@ product_pv.defvjp(
 
 
 def local_attention(q, k, v, key_valid, rel_bias, scale, config):
-    """mt.local_attention with the queries in blocks: a query sees at most T + 1 of the S keys, so
-    each block of Q queries meets only the W = T + Q keys its windows reach. The mask is a bias,
-    the T5 bias is broadcast over rows with a matmul gradient, and the softmax is normalized after
-    the value product."""
+    """mt.local_attention with the queries in blocks: a query sees at most T + 1
+    of the S keys, so each block of Q queries meets only the W = T + Q keys its
+    windows reach. The mask is a bias, the T5 bias is broadcast over rows with a
+    matmul gradient, and the softmax is normalized after the value product."""
     B, H, T, D = q.shape
     S = k.shape[2]
     # The cache is a constant (forward stops its gradient): none is computed for it here.
@@ -161,9 +168,9 @@ def local_attention(q, k, v, key_valid, rel_bias, scale, config):
 
 
 def fused_implementation(dtype, T, S, D):
-    """cuDNN's flash attention where it applies (a GPU, bfloat16, even T and S, D a multiple of 8 up
-    to 128), else JAX's XLA version of the same call, which the tests hold equal to the plain
-    one."""
+    """cuDNN's flash attention where it applies (a GPU, bfloat16, even T and S,
+    D a multiple of 8 up to 128), else JAX's XLA version of the same call, which
+    the tests hold equal to the plain one."""
     cudnn = (
         backend() == "gpu"
         and dtype == jnp.bfloat16
@@ -176,11 +183,13 @@ def fused_implementation(dtype, T, S, D):
 
 
 def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
-    """mt.local_attention as one call of jax.nn.dot_product_attention. Its per-row masks are key
-    lengths, so the keys go in as [segment; cache] and a row's length is T + its cache's valid
-    count: exact when the valid keys are a prefix of the segment and of the cache, as data.py
-    makes them (padding only at a segment's end). One bias [1, H, T, S] holds the window and the
-    T5 bias for all rows. A batch whose mask is of any other kind takes mt.local_attention."""
+    """mt.local_attention as one call of jax.nn.dot_product_attention. Its
+    per-row masks are key lengths, so the keys go in as [segment; cache] and a
+    row's length is T + its cache's valid count: exact when the valid keys are a
+    prefix of the segment and of the cache, as data.py makes them (padding only
+    at a segment's end). One bias [1, H, T, S] holds the window and the T5 bias
+    for all rows. A batch whose mask is of any other kind takes
+    mt.local_attention."""
     C = k.shape[2] - q.shape[2]
     prefixes = is_prefix(key_valid[:, :C]) & is_prefix(key_valid[:, C:])
     operands = (q, k, v, key_valid, rel_bias, scale)
@@ -193,7 +202,8 @@ def fused_local_attention(q, k, v, key_valid, rel_bias, scale, config):
 
 
 def is_prefix(mask):
-    """Whether each row's valid positions [B, n] come first: no valid one after a padded one."""
+    """Whether each row's valid positions [B, n] come first: no valid one after
+    a padded one."""
     return ~jnp.any(mask[:, 1:] & ~mask[:, :-1])
 
 
@@ -225,10 +235,11 @@ def _fused(q, k, v, key_valid, rel_bias, scale, config):
 
 # ----------------------------------------------------------------------------- memory search
 def _pack(scores, row, bits):
-    """Scores as int32 keys that sort like them, their low `bits` bits replaced by `row`: one
-    integer max then finds a bin's best score and its row. A float's bits read as an int32, the
-    negative ones negated, sort like the float. float32 scores lose `bits` low mantissa bits;
-    bfloat16 scores, widened to float32, lose nothing."""
+    """Scores as int32 keys that sort like them, their low `bits` bits replaced
+    by `row`: one integer max then finds a bin's best score and its row. A
+    float's bits read as an int32, the negative ones negated, sort like the
+    float. float32 scores lose `bits` low mantissa bits; bfloat16 scores,
+    widened to float32, lose nothing."""
     raw = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
     key = jnp.where(raw < 0, -(raw & 0x7FFFFFFF), raw)  # monotone in the float value
     return (key & ~((1 << bits) - 1)) | row
@@ -243,9 +254,10 @@ def _unpack(key, bits):
 
 
 def _bin_keys(best):
-    """The bins' winners' keys [..., G] with the low log2(G) bits replaced by the bin, reversed, so
-    that a row's keys are distinct, each names its bin (_key_bin), and of equal scores the lower
-    bin ranks first (as in lax.top_k)."""
+    """The bins' winners' keys [..., G] with the low log2(G) bits replaced by
+    the bin, reversed, so that a row's keys are distinct, each names its bin
+    (_key_bin), and of equal scores the lower bin ranks first (as in lax.top_k).
+    """
     low = (1 << (best.shape[-1] - 1).bit_length()) - 1
     return (best & ~low) | (low - jax.lax.broadcasted_iota(jnp.int32, best.shape, best.ndim - 1))
 
@@ -256,7 +268,8 @@ def _key_bin(key, G):
 
 
 def _max_by_halves(x):
-    """The maximum over the last axis, [..., G] -> [..., 1], as a tree of elementwise maxima."""
+    """The maximum over the last axis, [..., G] -> [..., 1], as a tree of
+    elementwise maxima."""
     while x.shape[-1] > 1:
         n, h = x.shape[-1], x.shape[-1] // 2
         y = jnp.maximum(x[..., :h], x[..., n - h :])
@@ -267,9 +280,10 @@ def _max_by_halves(x):
 
 
 def top_k_in_passes(x, k, block=2**20):
-    """lax.top_k(x, k)[0] for integer x whose entries in each row are distinct, in k passes over
-    the last axis, each taking the largest entry below the last one taken. The rows go in blocks
-    of at most `block` entries, which take their k passes while they are in the cache."""
+    """lax.top_k(x, k)[0] for integer x whose entries in each row are distinct,
+    in k passes over the last axis, each taking the largest entry below the last
+    one taken. The rows go in blocks of at most `block` entries, which take
+    their k passes while they are in the cache."""
     *lead, G = x.shape
     if k > G:
         raise ValueError(f"k ({k}) exceeds the {G} entries of a row.")
@@ -291,8 +305,8 @@ def top_k_in_passes(x, k, block=2**20):
 
 
 def top_k(keys, k):
-    """The k largest of each row's distinct int32 keys, largest first: in passes on a CPU, where
-    XLA's top-k runs on one core; lax.top_k elsewhere."""
+    """The k largest of each row's distinct int32 keys, largest first: in passes
+    on a CPU, where XLA's top-k runs on one core; lax.top_k elsewhere."""
     return top_k_in_passes(keys, k) if backend() == "cpu" else jax.lax.top_k(keys, k)[0]
 
 
@@ -306,15 +320,17 @@ WINNERS_BYTES = {"cpu": 2**21}
 
 
 def memory_search(q, mem_k, mem_valid, scale, config, bias=None, chunk=1024, batch_block=None):
-    """mt.memory_search with the memory scored a piece of at most `chunk` slots at a time.
-    Exact: each piece's top-k are candidates for the top-k of all. Binned: the memory seen as
-    [rows, G], a piece is whole rows (or part of one), scored as keys x queries [slots, T] (the
-    keys read as stored), and each bin's best score so far is kept with its row packed in one
-    int32 (_pack); then the top-k of the G winners, ranked with the bin in their low log2(G)
-    bits: float32 scores to 23 - log2(G) mantissa bits (equal beyond that: the lower bin first),
-    bfloat16 ones to all. The scores returned are the packed ones. batch_block: the batch rows
-    searched at a time (None: as WINNERS_BYTES allows); the answer does not depend on it. bias
-    [B, M], where given, is added to each slot's score, as in mt.memory_search."""
+    """mt.memory_search with the memory scored a piece of at most `chunk` slots
+    at a time. Exact: each piece's top-k are candidates for the top-k of all.
+    Binned: the memory seen as [rows, G], a piece is whole rows (or part of
+    one), scored as keys x queries [slots, T] (the keys read as stored), and
+    each bin's best score so far is kept with its row packed in one int32
+    (_pack); then the top-k of the G winners, ranked with the bin in their low
+    log2(G) bits: float32 scores to 23 - log2(G) mantissa bits (equal beyond
+    that: the lower bin first), bfloat16 ones to all. The scores returned are
+    the packed ones. batch_block: the batch rows searched at a time (None: as
+    WINNERS_BYTES allows); the answer does not depend on it. bias [B, M], where
+    given, is added to each slot's score, as in mt.memory_search."""
     B, H, M, D = mem_k.shape
     T, K = q.shape[2], config.num_neighbors
     qs = jax.lax.stop_gradient(mt.scale_queries(q, scale))  # [B, H, T, D]
@@ -393,16 +409,18 @@ def memory_search(q, mem_k, mem_valid, scale, config, bias=None, chunk=1024, bat
 
 # --------------------------------------------------------------- attention over the retrieved pairs
 def attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, bias=None):
-    """mt.attend_to_retrieved; on a GPU (for K <= 64, whose program grows with K) as K terms."""
+    """mt.attend_to_retrieved; on a GPU (for K <= 64, whose program grows with
+    K) as K terms."""
     if backend() == "gpu" and slots.shape[-1] <= 64:
         return attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config, bias)
     return mt.attend_to_retrieved(q, mem_k, mem_v, slots, valid, scale, config, bias)
 
 
 def attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config, bias=None):
-    """The attention over the K retrieved pairs written one pair at a time, in float32: on a GPU
-    XLA fuses each term's gather, product and sum, so no [B, H, T, K, D] tensor of the retrieved
-    keys or values is stored, nor kept for the backward pass."""
+    """The attention over the K retrieved pairs written one pair at a time, in
+    float32: on a GPU XLA fuses each term's gather, product and sum, so no [B,
+    H, T, K, D] tensor of the retrieved keys or values is stored, nor kept for
+    the backward pass."""
     take = jax.vmap(jax.vmap(lambda m, i: m[i]))  # per (b, h): [M, D], [T, K] -> [T, K, D]
     keys, vals = (
         take(mem_k, slots).astype(q.dtype),
@@ -425,8 +443,9 @@ def attend_in_terms(q, mem_k, mem_v, slots, valid, scale, config, bias=None):
 
 # ----------------------------------------------------------------------------- the memory's reset
 def clear_rows(mem, reset):
-    """mt.clear_rows in place, one reset row at a time: a step where no row starts a document
-    writes nothing, where a select would rewrite all M slots of every row."""
+    """mt.clear_rows in place, one reset row at a time: a step where no row
+    starts a document writes nothing, where a select would rewrite all M slots
+    of every row."""
     order = jnp.argsort(~reset)  # [B]: the reset rows first
     zeros = jnp.zeros((1,) + mem.shape[1:], mem.dtype)
 
@@ -438,8 +457,9 @@ def clear_rows(mem, reset):
 
 @functools.lru_cache(maxsize=None)  # one Ops a setting: the steps compiled for it are reused
 def fast(memory_chunk=1024, attention="explicit"):
-    """The faster pieces, with their knobs: the memory scored memory_chunk slots at a time, and
-    the local attention "explicit" (local_attention) or "fused" (fused_local_attention)."""
+    """The faster pieces, with their knobs: the memory scored memory_chunk slots
+    at a time, and the local attention "explicit" (local_attention) or "fused"
+    (fused_local_attention)."""
     local = fused_local_attention if attention == "fused" else local_attention
     search = functools.partial(memory_search, chunk=memory_chunk)
     return mt.Ops(local, search, attend_to_retrieved, clear_rows)
@@ -449,6 +469,6 @@ FAST = fast()
 
 
 def of(config):
-    """The pieces a run computes with: the model file's own (config.ops "plain"), or these, with
-    the run's knobs."""
+    """The pieces a run computes with: the model file's own (config.ops
+    "plain"), or these, with the run's knobs."""
     return mt.PLAIN if config.ops == "plain" else fast(config.memory_chunk, config.attention)

@@ -57,7 +57,8 @@ def build_parser():
 
 # ----------------------------------------------------------------------------- the text
 class Source(NamedTuple):
-    """The memorized text as one stream of N tokens, and where each token came from."""
+    """The memorized text as one stream of N tokens, and where each token came
+    from."""
 
     files: list  # names relative to PATH, in the order streamed
     tokens: np.ndarray  # int32 [N]
@@ -68,8 +69,8 @@ class Source(NamedTuple):
 
 
 def read_source(path, sp, suffixes=None, dependency_order=False):
-    """PATH's files (corpora.read_tree), each as the repository reader joins it, tokenized
-    by the run's tokenizer as one stream."""
+    """PATH's files (corpora.read_tree), each as the repository reader joins it,
+    tokenized by the run's tokenizer as one stream."""
     stats = {}
     files = corpora.read_tree(path, suffixes, dependency_order, stats)
     skipped = {k: v for k, v in stats.items() if v}
@@ -95,9 +96,9 @@ def describe(counts):
 
 # ----------------------------------------------------------------------------- the keys
 def prefix_model(params, config, slots):
-    """The model up to the top memory layer, which is all its keys need, with a memory of
-    `slots`; with one memory layer, that model without memory (the top memory layer's keys
-    never read the memory)."""
+    """The model up to the top memory layer, which is all its keys need, with a
+    memory of `slots`; with one memory layer, that model without memory (the top
+    memory layer's keys never read the memory)."""
     top = max(config.active_memory_layers)
     lower = config.active_memory_layers[:-1]
     cut = config.replace(num_layers=top + 1, memory_size=slots)
@@ -108,9 +109,9 @@ def prefix_model(params, config, slots):
 
 @functools.lru_cache(maxsize=4)
 def key_step(config, layers, dtype):
-    """(params, state, tokens [1, T], mask [1, T], reset [1]) -> (the new state, the
-    segment's keys and values in `layers`, [2, Lm, H, T, D] in `dtype`); the logits are never
-    computed (nothing reads them, so XLA leaves them out)."""
+    """(params, state, tokens [1, T], mask [1, T], reset [1]) -> (the new state,
+    the segment's keys and values in `layers`, [2, Lm, H, T, D] in `dtype`); the
+    logits are never computed (nothing reads them, so XLA leaves them out)."""
     ops = kernels.of(config)
 
     def step(params, state, tokens, mask, reset):
@@ -122,9 +123,10 @@ def key_step(config, layers, dtype):
 
 
 def memorize(params, config, source, slots, dtype, progress=None):
-    """The memory layers' keys and values of the stream, in a ring of `slots` (a multiple
-    of T) that holds the last segments, oldest first from slot 0. Returns (arrays as
-    memory_file.ARRAYS names them, write position, tokens dropped)."""
+    """The memory layers' keys and values of the stream, in a ring of `slots` (a
+    multiple of T) that holds the last segments, oldest first from slot 0.
+    Returns (arrays as memory_file.ARRAYS names them, write position, tokens
+    dropped)."""
     T, N = config.segment_length, len(source.tokens)
     layers = list(config.active_memory_layers)
     H, D, Lm = config.num_heads, config.head_dim, len(layers)
@@ -171,7 +173,8 @@ def memorize(params, config, source, slots, dtype, progress=None):
 
 # ----------------------------------------------------------------------------- the command
 def check_slots(args, config, source):
-    """The file's slot count: --memory-size, checked, or every token and the run's M free."""
+    """The file's slot count: --memory-size, checked, or every token and the
+    run's M free."""
     T, N = config.segment_length, len(source.tokens)
     slots = args.memory_size
     if slots is None:
@@ -191,8 +194,9 @@ def check_slots(args, config, source):
 
 
 def check_paths(args):
-    """PATH exists, and FILE lands on none of the command's inputs (runs.check_output): not on
-    PATH, nor inside it, nor on the run's files, its corpus or its cache."""
+    """PATH exists, and FILE lands on none of the command's inputs
+    (runs.check_output): not on PATH, nor inside it, nor on the run's files, its
+    corpus or its cache."""
     if not os.path.exists(args.path):
         raise cli.UsageError(f"{args.path} does not exist: name a directory or a file of code.")
     run_args = (runs.read_json(os.path.join(args.run_dir, "config.json")) or {}).get("args") or {}
@@ -203,7 +207,9 @@ def check_paths(args):
 
 
 def progress_line(started, T, source):
-    """A function that shows, on a terminal, the files, tokens, tokens/s and time left."""
+    """A function that shows, on a terminal, the files, tokens, tokens/s and
+    time left.
+"""
     if not sys.stderr.isatty():
         return None
     N, files = len(source.tokens), len(source.files)

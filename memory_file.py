@@ -61,7 +61,9 @@ HEADER = {"format": str, "config": dict, "params_hash": str, "tokenizer_hash": s
 
 
 class Memory(NamedTuple):
-    """A read memory file: its header (dict), arrays (read-only numpy arrays) and path."""
+    """A read memory file: its header (dict), arrays (read-only numpy arrays)
+    and path.
+"""
 
     header: dict
     arrays: dict
@@ -69,7 +71,9 @@ class Memory(NamedTuple):
 
 
 def params_hash(params):
-    """A short hash of a model's parameters: every leaf's name, dtype, shape and bytes."""
+    """A short hash of a model's parameters: every leaf's name, dtype, shape and
+    bytes.
+"""
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         x = np.ascontiguousarray(np.asarray(leaf))
@@ -83,8 +87,8 @@ def _padded(n):
 
 
 def layout(layers, heads, slots, head_dim, dtype):
-    """The header's "arrays": each array's name, dtype, shape and offset from the first, as
-    write lays them out; and the bytes they take."""
+    """The header's "arrays": each array's name, dtype, shape and offset from
+    the first, as write lays them out; and the bytes they take."""
     entries, offset = [], 0
     for name in ARRAYS:
         pairs = name in ("keys", "values")
@@ -96,9 +100,9 @@ def layout(layers, heads, slots, head_dim, dtype):
 
 
 def write(path, header, arrays):
-    """Write header (a dict) and arrays (name -> numpy array, all of ARRAYS) to path whole
-    (runs.write_output: a stream in place, a file atomically), the checksum computed as the
-    bytes are written."""
+    """Write header (a dict) and arrays (name -> numpy array, all of ARRAYS) to
+    path whole (runs.write_output: a stream in place, a file atomically), the
+    checksum computed as the bytes are written."""
     layers, heads, slots, head_dim = arrays["keys"].shape
     dtype = _dtype_name(arrays["keys"].dtype)
     entries, _ = layout(layers, heads, slots, head_dim, dtype)
@@ -140,8 +144,8 @@ def _refuse(path, why):
 # ----------------------------------------------------------------------------- reading
 @contextlib.contextmanager
 def _open_regular(path):
-    """path opened for reading, once: a FIFO or a device is refused without waiting for a
-    writer (O_NONBLOCK), and a directory is refused too."""
+    """path opened for reading, once: a FIFO or a device is refused without
+    waiting for a writer (O_NONBLOCK), and a directory is refused too."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
@@ -165,7 +169,9 @@ def _take(f, h, n, path):
 
 
 def _read_array(f, h, entry, path):
-    """One array read straight into its final buffer as it is hashed, then its padding."""
+    """One array read straight into its final buffer as it is hashed, then its
+    padding.
+"""
     bytewise = entry["dtype"] == "bool"  # a flag as its byte, checked to be 0 or 1 later
     out = np.empty(entry["shape"], np.uint8 if bytewise else DTYPES[entry["dtype"]])
     flat = out.reshape(-1).view(np.uint8)  # [nbytes]
@@ -198,7 +204,8 @@ def _parse_header(text, path):
 
 
 def _check_header(path, header, config, params_hash_, tokenizer_hash):
-    """The header against the run, and its layout against the one its shapes give."""
+    """The header against the run, and its layout against the one its shapes
+    give."""
     for field, ours in (("params_hash", params_hash_), ("tokenizer_hash", tokenizer_hash)):
         if header[field] != ours:
             _refuse(path, f"was made by another run: its {field.replace('_', ' ')} is "
@@ -221,10 +228,11 @@ def _check_header(path, header, config, params_hash_, tokenizer_hash):
 
 
 def read(path, config, params_hash_, tokenizer_hash, pieces=None):
-    """The checked memory file at path, for a run of this config, parameters and tokenizer
-    (of `pieces` token ids; default: config.vocab_size): Memory(header, arrays). Whatever
-    would make it wrong for the run, or is not what memorize.py writes, is a cli.UsageError
-    naming it, raised before anything uses the file."""
+    """The checked memory file at path, for a run of this config, parameters and
+    tokenizer (of `pieces` token ids; default: config.vocab_size):
+    Memory(header, arrays). Whatever would make it wrong for the run, or is not
+    what memorize.py writes, is a cli.UsageError naming it, raised before
+    anything uses the file."""
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         h = hashlib.sha256()
@@ -259,9 +267,9 @@ def read(path, config, params_hash_, tokenizer_hash, pieces=None):
 
 
 def _check_slots(path, header, arrays, pieces):
-    """Every slot's values: a valid flag of 0 or 1; a held slot's token a piece of the
-    tokenizer, its file one of the header's, its offset and line >= 0; a free slot's sources
-    -1; keys and values finite."""
+    """Every slot's values: a valid flag of 0 or 1; a held slot's token a piece
+    of the tokenizer, its file one of the header's, its offset and line >= 0; a
+    free slot's sources -1; keys and values finite."""
     flags = arrays["valid"]  # [M] uint8
     if flags.max(initial=0) > 1:
         _refuse(path, "holds a valid flag other than 0 or 1: it is corrupt.")
@@ -284,9 +292,10 @@ def _check_slots(path, header, arrays, pieces):
 
 # ----------------------------------------------------------------------------- using a memory
 def last_slots(memory, size):
-    """The memory that memorize.py --memory-size `size` (a multiple of T below M) would have
-    written from the same text: the last size / T segments written, oldest first from slot 0
-    (FIFO), and the write position after them."""
+    """The memory that memorize.py --memory-size `size` (a multiple of T below
+    M) would have written from the same text: the last size / T segments
+    written, oldest first from slot 0 (FIFO), and the write position after them.
+    """
     M, T = memory.header["slots"], memory.header["segment_length"]
     start = memory.header["position"] // T
     order = [(start + i) % (M // T) for i in range(M // T)]  # the blocks, oldest first
@@ -308,9 +317,9 @@ def last_slots(memory, size):
 
 
 def start_state(memory, config, memory_size=None):
-    """The config and the one-row state that a document starts from: the file's slots,
-    then free ones up to memory_size (default: the file's M); a smaller size keeps the last
-    slots (last_slots). The memory's dtype is the file's."""
+    """The config and the one-row state that a document starts from: the file's
+    slots, then free ones up to memory_size (default: the file's M); a smaller
+    size keeps the last slots (last_slots). The memory's dtype is the file's."""
     M = memory.header["slots"]
     size = M if memory_size is None else memory_size
     try:
@@ -337,7 +346,8 @@ def start_state(memory, config, memory_size=None):
 
 
 def grown(memory, name, size):
-    """The memory's array as one row with free slots (zeros) after its M: [1, ..., size, ...]."""
+    """The memory's array as one row with free slots (zeros) after its M: [1,
+    ..., size, ...]."""
     a = memory.arrays[name]
     axis = 2 if name in ("keys", "values") else 0  # the slot axis: [Lm, H, M, D] or [M]
     pad = [(0, 0)] * a.ndim
@@ -346,5 +356,6 @@ def grown(memory, name, size):
 
 
 def held_tokens(memory):
-    """The memorized token ids still held, in the order they were streamed: [n]."""
+    """The memorized token ids still held, in the order they were streamed: [n].
+    """
     return np.asarray(memory.arrays["token"])[np.asarray(memory.arrays["valid"])]

@@ -33,9 +33,9 @@ SLURM = ("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
 
 
 def settings(args):
-    """(coordinator or None, number of processes, process id, whether a launcher gave them) from the
-    flags, else from the environment: JAX_COORDINATOR_ADDRESS, and a launcher's task count and
-    rank."""
+    """(coordinator or None, number of processes, process id, whether a launcher
+    gave them) from the flags, else from the environment:
+    JAX_COORDINATOR_ADDRESS, and a launcher's task count and rank."""
     coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
     n, pid = args.num_processes, args.process_id
     present, count, rank = SLURM
@@ -51,10 +51,10 @@ def settings(args):
 
 
 def start(args):
-    """Join the run's other processes, before JAX starts its backend. Alone (no flag, no launcher)
-    nothing happens. Refused in one sentence: flags or --out missing, a process id out of range, a
-    coordinator that cannot be reached within --coordinator-timeout, or its port taken on process
-    0's host."""
+    """Join the run's other processes, before JAX starts its backend. Alone (no
+    flag, no launcher) nothing happens. Refused in one sentence: flags or --out
+    missing, a process id out of range, a coordinator that cannot be reached
+    within --coordinator-timeout, or its port taken on process 0's host."""
     coordinator, n, pid, launched = settings(args)
     if args.coordinator is None and n is None and pid is None:
         return
@@ -107,8 +107,9 @@ def start(args):
 
 
 def native_output_to_stderr():
-    """Gloo, the CPU collectives, prints its connections on the C library's stdout: send what native
-    code prints to stderr, and keep stdout for the run's own lines."""
+    """Gloo, the CPU collectives, prints its connections on the C library's
+    stdout: send what native code prints to stderr, and keep stdout for the
+    run's own lines."""
     sys.stdout.flush()
     own = os.dup(1)
     os.dup2(2, 1)
@@ -143,7 +144,8 @@ def check_port_free(coordinator):
 
 
 def wait_for(coordinator, timeout):
-    """Wait until the coordinator accepts connections: process 0 may start after the others."""
+    """Wait until the coordinator accepts connections: process 0 may start after
+    the others."""
     host, port = _address(coordinator)
     end = time.monotonic() + timeout
     while True:
@@ -166,9 +168,10 @@ def wait_for(coordinator, timeout):
 
 
 def http2_answer(host, port, timeout):
-    """The first 9 bytes a server at host:port answers HTTP/2's client preface with: a gRPC server
-    (the coordinator) sends a frame header whose 4th byte is 4, SETTINGS; an HTTP/1 server,
-    "HTTP/1.1 400" or a page; b"" if none in time (nothing to judge it by)."""
+    """The first 9 bytes a server at host:port answers HTTP/2's client preface
+    with: a gRPC server (the coordinator) sends a frame header whose 4th byte is
+    4, SETTINGS; an HTTP/1 server, "HTTP/1.1 400" or a page; b"" if none in time
+    (nothing to judge it by)."""
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
     answer = b""
     with socket.create_connection((host, port), timeout=timeout) as s:
@@ -192,14 +195,15 @@ def is_main():
 
 @functools.lru_cache(maxsize=1)  # one mesh for every step's batch
 def mesh():
-    """Every process's devices, process 0's first: the rows of the batch go to them in this
-    order."""
+    """Every process's devices, process 0's first: the rows of the batch go to
+    them in this order."""
     return Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("data",))
 
 
 def place(tree, rows):
-    """Global arrays from host values that every process holds whole: split by rows (batch-leading)
-    over the mesh, or replicated. Each process places only what its own devices hold."""
+    """Global arrays from host values that every process holds whole: split by
+    rows (batch-leading) over the mesh, or replicated. Each process places only
+    what its own devices hold."""
     sharding = NamedSharding(mesh(), P("data") if rows else P())
 
     def one(x):
@@ -210,9 +214,9 @@ def place(tree, rows):
 
 
 def distribute(params, opt_state, state):
-    """With several devices (of one process or of several), data parallelism: the batch's rows and
-    their memories split over the devices, the params replicated. Returns the three, and how to
-    place a batch."""
+    """With several devices (of one process or of several), data parallelism:
+    the batch's rows and their memories split over the devices, the params
+    replicated. Returns the three, and how to place a batch."""
     if jax.device_count() == 1:
         return params, opt_state, state, lambda batch: batch
     return (
@@ -224,8 +228,9 @@ def distribute(params, opt_state, state):
 
 
 def gather(tree):
-    """Host (numpy) values of global arrays, whole, on every process; a collective where rows lie
-    on other processes, so every process calls it at the same point."""
+    """Host (numpy) values of global arrays, whole, on every process; a
+    collective where rows lie on other processes, so every process calls it at
+    the same point."""
 
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
@@ -247,8 +252,9 @@ def _texts(text):
 
 
 def agree(fn):
-    """fn() on every process; where any process refuses (bad input), every process refuses, with the
-    first refusal's sentence, instead of waiting for the one that left."""
+    """fn() on every process; where any process refuses (bad input), every
+    process refuses, with the first refusal's sentence, instead of waiting for
+    the one that left."""
     if not several():
         return fn()
     try:
@@ -265,8 +271,8 @@ def agree(fn):
 
 
 def check_same(what):
-    """Refuse where the processes differ in `what`, a text of their flags and data: they would train
-    different runs."""
+    """Refuse where the processes differ in `what`, a text of their flags and
+    data: they would train different runs."""
     if several():
         texts = _texts(hashlib.sha256(what.encode()).hexdigest())
         other = next((i for i, t in enumerate(texts) if t != texts[0]), None)
@@ -278,13 +284,15 @@ def check_same(what):
 
 
 def any_of(flag):
-    """Whether `flag` holds on any process (a Ctrl-C that reached only one of them)."""
+    """Whether `flag` holds on any process (a Ctrl-C that reached only one of
+    them)."""
     if not several():
         return bool(flag)
     return bool(np.asarray(multihost_utils.process_allgather(np.array(bool(flag)))).any())
 
 
 def stop():
-    """Leave the run together: the coordinator (process 0) waits for the others before it goes."""
+    """Leave the run together: the coordinator (process 0) waits for the others
+    before it goes."""
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()

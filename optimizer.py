@@ -106,16 +106,17 @@ def adafactor(
 
 
 def learning_rate(step, base_lr, warmup_steps):
-    """Sec. 4.2: linear warmup, then square-root decay: base * min(1, t/W) / sqrt(max(t, W))."""
+    """Sec. 4.2: linear warmup, then square-root decay: base * min(1, t/W) /
+    sqrt(max(t, W))."""
     t = jnp.asarray(step, jnp.float32)
     w = max(warmup_steps, 1)
     return base_lr * jnp.minimum(1.0, t / w) * jax.lax.rsqrt(jnp.maximum(t, float(w)))
 
 
 def make_optimizer(config):
-    """Adafactor on the schedule. The T5 bias tables take the plain step: they start
-    at 0, where a step relative to their scale would leave them, and the model's
-    only position signal, frozen."""
+    """Adafactor on the schedule. The T5 bias tables take the plain step: they
+    start at 0, where a step relative to their scale would leave them, and the
+    model's only position signal, frozen."""
     shapes = jax.eval_shape(lambda: mt.init_params(config, jax.random.PRNGKey(0)))
     plain = jax.tree_util.tree_map_with_path(
         lambda path, _: any(getattr(k, "key", None) == "rel_bias" for k in path), shapes

@@ -24,8 +24,9 @@ import numpy as np
 
 
 def peer_row(memory_size, steps, batch=8, segment=128, vocab=2048):
-    """One memory size of the peer, in the peer's Python: its step time, and its HNSW index's recall
-    of the exact top-32 of 64 random unit queries among M random unit keys."""
+    """One memory size of the peer, in the peer's Python: its step time, and its
+    HNSW index's recall of the exact top-32 of 64 random unit queries among M
+    random unit keys."""
     import torch
     from memorizing_transformers_pytorch import MemorizingTransformer
     from memorizing_transformers_pytorch.knn_memory import KNN

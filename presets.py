@@ -17,8 +17,8 @@ positive_number = mt.rule(lambda x: mt.is_number(x) and x > 0, "a finite number 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig(mt.Config):
-    """The model's fields (memorizing_transformer.Config), then training's and the kernels'. Each
-    is a train.py flag, as Config's are."""
+    """The model's fields (memorizing_transformer.Config), then training's and
+    the kernels'. Each is a train.py flag, as Config's are."""
 
     # training (Sec. 4.2)
     batch_size: int = knob(256, mt.positive, "batch rows; each row streams documents in order")

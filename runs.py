@@ -81,13 +81,15 @@ MODEL_SHAPE = (
 
 # ----------------------------------------------------------------------------- writing files
 def json_text(obj):
-    """The text of a JSON file we write, ending in a newline like any text file. JSON has no
-    NaN or infinity: a number that is not finite is written null (a loss over no token)."""
+    """The text of a JSON file we write, ending in a newline like any text file.
+    JSON has no NaN or infinity: a number that is not finite is written null (a
+    loss over no token)."""
     return json.dumps(finite_or_null(obj), indent=2, allow_nan=False) + "\n"
 
 
 def finite_or_null(obj):
-    """obj with every float that is not finite replaced by None, in dicts, lists and tuples."""
+    """obj with every float that is not finite replaced by None, in dicts, lists
+    and tuples."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
@@ -115,15 +117,17 @@ def _write_content(f, content):
 
 
 def _temp_name(path):
-    """A hidden name beside path for its temporary file: .NAME.XXXXXXXX.partial (NAME cut to
-    200 characters, so that the name fits wherever path's does)."""
+    """A hidden name beside path for its temporary file: .NAME.XXXXXXXX.partial
+    (NAME cut to 200 characters, so that the name fits wherever path's does)."""
     folder, name = os.path.split(os.path.abspath(path))
     return os.path.join(folder, f".{name[:200]}.{secrets.token_hex(4)}.partial")
 
 
 def _name(fd, name):
-    """Give the unnamed file fd (O_TMPFILE) a name: through /proc, or linkat(AT_EMPTY_PATH)
-    where /proc's link crosses a mount. False where neither can."""
+    """Give the unnamed file fd (O_TMPFILE) a name: through /proc, or
+    linkat(AT_EMPTY_PATH) where /proc's link crosses a mount. False where
+    neither can.
+"""
     with contextlib.suppress(OSError):
         os.link(f"/proc/self/fd/{fd}", name, follow_symlinks=True)
         return True
@@ -134,8 +138,8 @@ def _name(fd, name):
 
 
 def _unnamed_file(folder):
-    """An O_TMPFILE in folder that can be named once whole, or None where the system has
-    none: a probe file is named and removed first."""
+    """An O_TMPFILE in folder that can be named once whole, or None where the
+    system has none: a probe file is named and removed first."""
     if not hasattr(os, "O_TMPFILE"):
         return None
     try:
@@ -152,11 +156,12 @@ def _unnamed_file(folder):
 
 
 def atomic_write(path, content):
-    """Write `content` (bytes, str, or a function that writes to a binary file) to `path`
-    whole or not at all: a temporary file beside it, then a rename. Where the file system
-    has O_TMPFILE (Linux), the temporary file has no name until it is whole, so a killed
-    command leaves nothing behind; elsewhere it is a hidden .NAME.XXXXXXXX.partial, which a
-    kill may leave. A file that is replaced keeps its mode; a new one gets the umask's."""
+    """Write `content` (bytes, str, or a function that writes to a binary file)
+    to `path` whole or not at all: a temporary file beside it, then a rename.
+    Where the file system has O_TMPFILE (Linux), the temporary file has no name
+    until it is whole, so a killed command leaves nothing behind; elsewhere it
+    is a hidden .NAME.XXXXXXXX.partial, which a kill may leave. A file that is
+    replaced keeps its mode; a new one gets the umask's."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isfile(path):
         mode = stat.S_IMODE(os.stat(path).st_mode)
@@ -185,8 +190,8 @@ def atomic_write(path, content):
 
 
 def is_stream(path):
-    """Whether path is a pipe or a character device (/dev/stdout, /dev/null): an output is
-    written to it in place, never replaced."""
+    """Whether path is a pipe or a character device (/dev/stdout, /dev/null): an
+    output is written to it in place, never replaced."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -195,9 +200,10 @@ def is_stream(path):
 
 
 def write_output(path, content):
-    """A file the user named (--json, --csv, a memory file ...), checked by check_output:
-    written atomically (through a link, to its target), or, where it is a stream, written
-    to as it is (a rename would replace the pipe or the device with a file)."""
+    """A file the user named (--json, --csv, a memory file ...), checked by
+    check_output: written atomically (through a link, to its target), or, where
+    it is a stream, written to as it is (a rename would replace the pipe or the
+    device with a file)."""
     real = os.path.realpath(path)
     if not is_stream(real):
         return atomic_write(real, content)
@@ -206,7 +212,8 @@ def write_output(path, content):
 
 
 def remove_files(folder, which):
-    """Remove the plain files of `folder` (if it exists) that `which(os.DirEntry)` takes."""
+    """Remove the plain files of `folder` (if it exists) that
+    `which(os.DirEntry)` takes."""
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(folder):
             if entry.is_file(follow_symlinks=False) and which(entry):
@@ -216,8 +223,8 @@ def remove_files(folder, which):
 
 def drop_partial_files(out):
     """Remove the temporary files that a kill during an atomic write left in the
-    run directory `out` (and those of the older name, tmpXXXXXXXX.tmp). Only where
-    this process holds its lock."""
+    run directory `out` (and those of the older name, tmpXXXXXXXX.tmp). Only
+    where this process holds its lock."""
     ours = re.compile(
         r"\.(%s)\.[a-z0-9_]{8}\.partial|tmp[a-z0-9_]{8}\.tmp" % "|".join(map(re.escape, RUN_FILES))
     )
@@ -225,7 +232,8 @@ def drop_partial_files(out):
 
 
 def writable_directory(folder):
-    """Whether a file can be made in `folder` (as root, os.access passes /proc, where none can)."""
+    """Whether a file can be made in `folder` (as root, os.access passes /proc,
+    where none can)."""
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
         return False
     try:
@@ -238,7 +246,8 @@ def writable_directory(folder):
 
 
 def check_writable_dir(path, flag):
-    """Refuse, before anything is written, a directory that cannot be created or written to."""
+    """Refuse, before anything is written, a directory that cannot be created or
+    written to."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -247,18 +256,20 @@ def check_writable_dir(path, flag):
 
 
 def inside(path, directory):
-    """Whether path (existing or not, links resolved) is directory or lies below it."""
+    """Whether path (existing or not, links resolved) is directory or lies below
+    it."""
     rel = os.path.relpath(os.path.realpath(path), os.path.realpath(directory))
     return rel == os.curdir or rel.split(os.sep)[0] != os.pardir
 
 
 def check_output(path, flag, inputs=(), sources=(), caches=()):
-    """The one rule of where a command may write, checked before it works. An output never
-    replaces or enters an input of its command (`inputs`: the files and directories it reads:
-    the run's files, a memory file, a memorized or scored PATH), a corpus (`sources`) or a
-    cache (`caches`), and never replaces a run's files. It never replaces what is not a
-    regular file: a pipe or a character device is written in place, and anything else (a
-    directory, a socket, a block device) is refused. Its name must fit the file system."""
+    """The one rule of where a command may write, checked before it works. An
+    output never replaces or enters an input of its command (`inputs`: the files
+    and directories it reads: the run's files, a memory file, a memorized or
+    scored PATH), a corpus (`sources`) or a cache (`caches`), and never replaces
+    a run's files. It never replaces what is not a regular file: a pipe or a
+    character device is written in place, and anything else (a directory, a
+    socket, a block device) is refused. Its name must fit the file system."""
     real = os.path.realpath(path)
     said = f"{flag} {path}"
     if os.path.basename(real) in RUN_FILES and os.path.isfile(
@@ -309,7 +320,8 @@ def check_output(path, flag, inputs=(), sources=(), caches=()):
 
 
 def read_json(path):
-    """A JSON file's object, or None if it is missing, unreadable, truncated or not an object."""
+    """A JSON file's object, or None if it is missing, unreadable, truncated or
+    not an object."""
     try:
         with open(path) as f:
             obj = json.load(f)
@@ -320,9 +332,9 @@ def read_json(path):
 
 # ----------------------------------------------------------------------------- run directories
 def json_type(field, value):
-    """Whether a config.json value has its Config field's type: a bool is true or
-    false, an int not a bool, a float any number, memory_layers a list of ints, a str
-    (or None if the default is)."""
+    """Whether a config.json value has its Config field's type: a bool is true
+    or false, an int not a bool, a float any number, memory_layers a list of
+    ints, a str (or None if the default is)."""
     number = lambda x, t: isinstance(x, t) and not isinstance(x, bool)
     return {
         int: number(value, int),
@@ -334,10 +346,11 @@ def json_type(field, value):
 
 
 def read_run_config(run_dir):
-    """A run's config.json as {"config": RunConfig, "args": dict}, read strictly: every
-    field present with its JSON type; a field missing, added to Config after the run was written,
-    reads its default (what the code did before it), with a note.
-    A broken file is a cli.UsageError naming what is wrong."""
+    """A run's config.json as {"config": RunConfig, "args": dict}, read
+    strictly: every field present with its JSON type; a field missing, added to
+    Config after the run was written, reads its default (what the code did
+    before it), with a note. A broken file is a cli.UsageError naming what is
+    wrong."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
         raise cli.UsageError(f"{run_dir} is not a run directory (no config.json).")
@@ -408,15 +421,17 @@ def holds_run(out):
 
 
 def finished(out, step):
-    """Whether the run in `out` has its final evaluation at `step` (a valid eval.json)."""
+    """Whether the run in `out` has its final evaluation at `step` (a valid
+    eval.json).
+"""
     ev = read_json(os.path.join(out, "eval.json"))
     return bool(ev) and ev.get("step") == step and isinstance(ev.get("perplexity"), float)
 
 
 def lock_run_dir(out, held):
-    """Hold an exclusive lock (flock on the directory itself) until `held`, an ExitStack,
-    closes: a second train.py on the same --out is refused. False where the directory does
-    not exist yet, or the file system cannot lock."""
+    """Hold an exclusive lock (flock on the directory itself) until `held`, an
+    ExitStack, closes: a second train.py on the same --out is refused. False
+    where the directory does not exist yet, or the file system cannot lock."""
     try:
         import fcntl
 
@@ -438,8 +453,8 @@ def lock_run_dir(out, held):
 
 def write_run_files(out, args, config, tok_path, step):
     """A run's first writes, once every check has passed: the tokenizer,
-    config.json and an empty metrics.jsonl (on --resume, metrics.jsonl without the
-    lines logged after the checkpoint)."""
+    config.json and an empty metrics.jsonl (on --resume, metrics.jsonl without
+    the lines logged after the checkpoint)."""
     os.makedirs(out, exist_ok=True)
     own = os.path.join(out, "tokenizer.model")
     if not (os.path.exists(own) and os.path.samefile(tok_path, own)):
@@ -457,9 +472,9 @@ def write_run_files(out, args, config, tok_path, step):
 
 
 def truncate_metrics(path, step, final=False):
-    """Keep the lines logged up to the checkpoint's step (a resumed run logs the later
-    ones again); final: the run ends at this step, so its final evaluation's line goes
-    too. A half-written line is dropped."""
+    """Keep the lines logged up to the checkpoint's step (a resumed run logs the
+    later ones again); final: the run ends at this step, so its final
+    evaluation's line goes too. A half-written line is dropped."""
     keep = []
     with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
         for line in f:
@@ -476,10 +491,11 @@ def truncate_metrics(path, step, final=False):
 
 
 def use_compilation_cache(cache_dir):
-    """Keep the compiled programs in cache_dir/jax (unless JAX_COMPILATION_CACHE_DIR
-    names a cache): a later run of the same config loads them instead of compiling, and
-    gives the same numbers. An entry that an interrupted compile left empty is removed
-    first (JAX never rewrites one)."""
+    """Keep the compiled programs in cache_dir/jax (unless
+    JAX_COMPILATION_CACHE_DIR names a cache): a later run of the same config
+    loads them instead of compiling, and gives the same numbers. An entry that
+    an interrupted compile left empty is removed first (JAX never rewrites one).
+    """
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return
     remove_files(
@@ -491,8 +507,9 @@ def use_compilation_cache(cache_dir):
 
 
 def check_fits(config, batch_size):
-    """Refuse a config whose parameters, optimizer, memory and one layer's attention
-    scores alone exceed the device's memory, before anything is allocated."""
+    """Refuse a config whose parameters, optimizer, memory and one layer's
+    attention scores alone exceed the device's memory, before anything is
+    allocated."""
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     params = jax.eval_shape(lambda: mt.init_params(config, jax.random.PRNGKey(0)))
     state = jax.eval_shape(lambda: mt.init_state(config, batch_size))
@@ -527,9 +544,11 @@ def _flat(tree):
 def save_checkpoint(
     path, step, params, opt_state, state, data_position, documents=None, tokenizer=None
 ):
-    """Atomic: a kill during a save leaves the previous checkpoint loadable. documents:
-    the fingerprints of the training documents (in which data_position is a position) and
-    of the validation documents; tokenizer: the hash of the run's tokenizer.model."""
+    """Atomic: a kill during a save leaves the previous checkpoint loadable.
+    documents: the fingerprints of the training documents (in which
+    data_position is a position) and of the validation documents; tokenizer: the
+    hash of the run's tokenizer.model.
+"""
     arrays = {}
     for name, tree in (("params", params), ("opt", opt_state), ("state", state._asdict())):
         arrays.update({f"{name}{k}": v for k, v in _flat(tree).items()})
@@ -566,9 +585,11 @@ def load_checkpoint(path):
 
 
 def restore_tree(template, arrays, prefix, path, strict=True):
-    """The arrays of a checkpoint under `prefix` ("params", "opt", "state"), in the
-    template's structure and dtypes; shapes must match. strict=False: a leaf the
-    checkpoint lacks (a gate added to a run without memory) keeps the template's value."""
+    """The arrays of a checkpoint under `prefix` ("params", "opt", "state"), in
+    the template's structure and dtypes; shapes must match. strict=False: a leaf
+    the checkpoint lacks (a gate added to a run without memory) keeps the
+    template's value.
+"""
     leaves = []
     for p, x in jax.tree_util.tree_flatten_with_path(template)[0]:
         key = prefix + jax.tree_util.keystr(p)
@@ -606,9 +627,9 @@ def restore_tree(template, arrays, prefix, path, strict=True):
 
 
 def same_kind(stored, wanted):
-    """Whether a stored array can be read as `wanted`: a float as any float (bfloat16 is
-    stored as 2-byte raw values), an integer as an integer, a bool as a bool; never a
-    string, an object or a complex number."""
+    """Whether a stored array can be read as `wanted`: a float as any float
+    (bfloat16 is stored as 2-byte raw values), an integer as an integer, a bool
+    as a bool; never a string, an object or a complex number."""
     if wanted.kind == "f" or wanted == jnp.bfloat16:
         return (
             stored.kind == "f"
@@ -647,9 +668,10 @@ def check_same_model(params, arrays, path):
 
 
 def restore_optimizer(opt_state, params, arrays, source_config, path):
-    """Adafactor's state from another run's checkpoint (fine-tuning): the step count, and
-    each parameter's statistics matched by the parameter's name (a new gate shifts the
-    leaves' order). A parameter the source lacks keeps fresh statistics."""
+    """Adafactor's state from another run's checkpoint (fine-tuning): the step
+    count, and each parameter's statistics matched by the parameter's name (a
+    new gate shifts the leaves' order). A parameter the source lacks keeps fresh
+    statistics."""
     names = lambda tree: [
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
     ]
@@ -677,9 +699,9 @@ def restore_optimizer(opt_state, params, arrays, source_config, path):
 
 
 def resume(out, params, opt_state, state, stream, documents, source, config):
-    """(params, optimizer state, model state, step) from the checkpoint in `out`,
-    the templates given as shapes; the data stream moved to where it stopped, in
-    the same documents (their fingerprints, `documents`, must be the
+    """(params, optimizer state, model state, step) from the checkpoint in
+    `out`, the templates given as shapes; the data stream moved to where it
+    stopped, in the same documents (their fingerprints, `documents`, must be the
     checkpoint's), up to config.steps."""
     path = os.path.join(out, "checkpoint.npz")
     if not os.path.isfile(path):
@@ -721,10 +743,11 @@ def resume(out, params, opt_state, state, stream, documents, source, config):
 
 
 def upgrade_state(arrays, memory_layers):
-    """A checkpoint's model state in today's names: one written before the XL cache and
-    the memory's pending segment became one (State.prev_*) has cache_* and pending_*,
-    whose keys and values are the last segment's in both (the cache's where it has length,
-    else the pending memory layers' in their layers)."""
+    """A checkpoint's model state in today's names: one written before the XL
+    cache and the memory's pending segment became one (State.prev_*) has cache_*
+    and pending_*, whose keys and values are the last segment's in both (the
+    cache's where it has length, else the pending memory layers' in their
+    layers)."""
     if "state['pending_k']" not in arrays:
         return arrays
     arrays = dict(arrays)
@@ -742,8 +765,8 @@ def upgrade_state(arrays, memory_layers):
 
 
 def check_memory_position(state, config, path):
-    """Refuse a state whose memory write position is outside [0, M) or not a multiple of
-    T: the ring buffer's writes would land on the wrong slots."""
+    """Refuse a state whose memory write position is outside [0, M) or not a
+    multiple of T: the ring buffer's writes would land on the wrong slots."""
     M, T = state.mem_valid.shape[1], config.segment_length
     pos = np.asarray(state.mem_pos)
     bad = pos[(pos < 0) | (pos >= max(M, 1)) | (pos % T != 0)]
@@ -755,9 +778,9 @@ def check_memory_position(state, config, path):
 
 
 def init_from(run_dir, params, opt_state, fresh_start):
-    """Fine-tuning (Sec. 4.4): another run's weights (a parameter it lacks starts
-    fresh) and, unless fresh_start, its step count and Adafactor's statistics.
-    Returns (params, opt_state, step)."""
+    """Fine-tuning (Sec. 4.4): another run's weights (a parameter it lacks
+    starts fresh) and, unless fresh_start, its step count and Adafactor's
+    statistics. Returns (params, opt_state, step)."""
     path = os.path.join(run_dir, "checkpoint.npz")
     meta, arrays = load_checkpoint(path)
     check_same_model(params, arrays, path)
@@ -770,7 +793,8 @@ def init_from(run_dir, params, opt_state, fresh_start):
 
 # ---------------------------------------------------------------------- resume and fine-tune checks
 def check_run_data_here(source):
-    """A run keeps its --data as typed: a relative path is relative to where the run started."""
+    """A run keeps its --data as typed: a relative path is relative to where the
+    run started."""
     if not (
         source == "stdlib"
         or corpora.is_synthetic(source)
@@ -785,9 +809,9 @@ def check_run_data_here(source):
 
 
 def resume_conflict(args, saved, out, given):
-    """The first flag of `given` that would change the run saved in out (its model,
-    training or data; not RESUME_MAY_CHANGE), as (the flag as typed, the run's
-    value); None if there is none."""
+    """The first flag of `given` that would change the run saved in out (its
+    model, training or data; not RESUME_MAY_CHANGE), as (the flag as typed, the
+    run's value); None if there is none."""
     config = saved["config"]
     fields = {f.name for f in dataclasses.fields(presets.RunConfig)}
     for name, value in vars(args).items():
@@ -933,7 +957,8 @@ def run_config(args, given):
 
 # ----------------------------------------------------------------------------- a run's start
 class Run(NamedTuple):
-    """What train.py's loop needs, checked and prepared before its first write."""
+    """What train.py's loop needs, checked and prepared before its first write.
+    """
 
     out: str
     config: presets.RunConfig
@@ -952,11 +977,11 @@ class Run(NamedTuple):
 
 
 def open_run(args, given, held, fresh):
-    """Check everything (flags, run directory, data, checkpoints, memory), lock the
-    directory in `held`, prepare the data, restore or start the weights
+    """Check everything (flags, run directory, data, checkpoints, memory), lock
+    the directory in `held`, prepare the data, restore or start the weights
     (fresh(config) -> params, optimizer state) and claim the directory with the
-    run's files. With several processes each check is agreed (one refusal stops them
-    all), and only process 0 writes."""
+    run's files. With several processes each check is agreed (one refusal stops
+    them all), and only process 0 writes."""
     agree, is_main = multihost.agree, multihost.is_main()
     out, config, tokenizer = agree(lambda: run_config(args, given))
     locked = agree(lambda: is_main and lock_run_dir(out, held))  # before the checkpoint is read
@@ -1034,8 +1059,8 @@ def save_first_or_undo(out, start_step, path, *checkpoint):
 
 
 def initial_state(config, args, out, stream, documents, fresh):
-    """(params, optimizer state, model state, step): fresh, resumed from the checkpoint in
-    --out, or with --init-from's weights. Reads, never writes."""
+    """(params, optimizer state, model state, step): fresh, resumed from the
+    checkpoint in --out, or with --init-from's weights. Reads, never writes."""
     state = mt.init_state(config, config.batch_size)
     if args.resume:  # the checkpoint has every value: the structure and dtypes are enough
         shapes = jax.eval_shape(lambda: fresh(config))
@@ -1048,7 +1073,8 @@ def initial_state(config, args, out, stream, documents, fresh):
 
 
 def note_unused_pieces(tok_path, vocab_size):
-    """SentencePiece stops early when the corpus has no more merges to learn: say so."""
+    """SentencePiece stops early when the corpus has no more merges to learn:
+    say so."""
     pieces = data.load_tokenizer(tok_path).get_piece_size()
     if pieces < vocab_size:
         print(

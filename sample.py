@@ -33,8 +33,8 @@ import memorizing_transformer as mt
 
 
 def next_token(logits, temperature, top_k, rng):
-    """Greedy for temperature 0; else a draw from softmax(logits / temperature), restricted
-    to the top_k most likely tokens when top_k is given."""
+    """Greedy for temperature 0; else a draw from softmax(logits / temperature),
+    restricted to the top_k most likely tokens when top_k is given."""
     if temperature == 0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64)
@@ -60,11 +60,11 @@ def generate(
     on_token=None,
     start=None,
 ):
-    """Continue `prompt` (token ids) by num_tokens tokens; returns the new ids. vocab: draw
-    only ids below it (a tokenizer may have fewer pieces than the model's vocab_size).
-    on_token(id) is called as each token is chosen. start: a loaded memory's state
-    (memory_file.start_state), which the prompt's tokens are appended to in place (it is
-    used up)."""
+    """Continue `prompt` (token ids) by num_tokens tokens; returns the new ids.
+    vocab: draw only ids below it (a tokenizer may have fewer pieces than the
+    model's vocab_size). on_token(id) is called as each token is chosen. start:
+    a loaded memory's state (memory_file.start_state), which the prompt's tokens
+    are appended to in place (it is used up)."""
     if not len(prompt):
         raise ValueError("the prompt has no tokens.")
     T = config.segment_length
@@ -107,17 +107,19 @@ def generate(
 
 
 class TextStream:
-    """Writes the text of a growing list of tokens as each token comes. A character outside
-    the tokenizer's pieces is spelled by byte pieces, one token a byte, and until its last
-    byte comes the decoder shows U+FFFD for the partial ones: text ending in U+FFFD is held
-    back until a later token resolves it or `close` writes it as it is. So what is written,
-    in all, is `sp.decode` of all the tokens. before: tokens that come first and are not
-    written (the prompt); a character they leave unfinished is written whole when the
-    tokens that finish it come.
+    """Writes the text of a growing list of tokens as each token comes. A
+    character outside the tokenizer's pieces is spelled by byte pieces, one
+    token a byte, and until its last byte comes the decoder shows U+FFFD for the
+    partial ones: text ending in U+FFFD is held back until a later token
+    resolves it or `close` writes it as it is. So what is written, in all, is
+    `sp.decode` of all the tokens. before: tokens that come first and are not
+    written (the prompt); a character they leave unfinished is written whole
+    when the tokens that finish it come.
 
-    Each token decodes the tokens since the last point where all was written, after `context`
-    tokens before it, not the whole text (which grows with a long prompt). The context keeps what
-    a decoder does at the start of a text (a leading space dropped) off the text that is written."""
+    Each token decodes the tokens since the last point where all was written,
+    after `context` tokens before it, not the whole text (which grows with a
+    long prompt). The context keeps what a decoder does at the start of a text
+    (a leading space dropped) off the text that is written."""
 
     def __init__(self, sp, write, before=(), context=16):
         self.sp, self.write, self.context, self.ids = sp, write, context, [int(t) for t in before]

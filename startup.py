@@ -13,8 +13,9 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's mallopt parame
 
 
 def keep_malloc_blocks():
-    """One arena, no mmap, no trim: glibc would otherwise map and unmap each step's temporaries.
-    Linux with glibc only; MT_DEFAULT_MALLOC=1 leaves malloc as it is. True if in force."""
+    """One arena, no mmap, no trim: glibc would otherwise map and unmap each
+    step's temporaries. Linux with glibc only; MT_DEFAULT_MALLOC=1 leaves malloc
+    as it is. True if in force."""
     if os.environ.get("MT_DEFAULT_MALLOC") == "1":
         return False
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
@@ -28,11 +29,12 @@ HOLE_FILLERS = []  # fill_heap_holes's blocks, never freed
 
 
 def fill_heap_holes(smallest=2**10, largest=2**26):
-    """After a compile, with keep_malloc_blocks in force: take every free block of at least
-    `smallest` bytes in the one heap for good, so that a step's allocations come from the heap's
-    top and from the blocks the step frees itself, not from a search through the compiler's
-    holes, which slowed the tiny step measurably. malloc_trim first gives the holes'
-    pages back, so the blocks cost no resident memory. Call it between steps. Returns the count."""
+    """After a compile, with keep_malloc_blocks in force: take every free block
+    of at least `smallest` bytes in the one heap for good, so that a step's
+    allocations come from the heap's top and from the blocks the step frees
+    itself, not from a search through the compiler's holes, which slowed the
+    tiny step measurably. malloc_trim first gives the holes' pages back, so the
+    blocks cost no resident memory. Call it between steps. Returns the count."""
     if not MALLOC_KEPT:
         return 0
     libc = ctypes.CDLL(None)
@@ -58,8 +60,9 @@ def fill_heap_holes(smallest=2**10, largest=2**26):
 
 
 def after_compile(step):
-    """step, with fill_heap_holes after its first call, whose compile leaves the heap full of
-    the compiler's freed blocks: the steps after it allocate past them."""
+    """step, with fill_heap_holes after its first call, whose compile leaves the
+    heap full of the compiler's freed blocks: the steps after it allocate past
+    them."""
     first = [True]
 
     def call(*args):
@@ -73,7 +76,9 @@ def after_compile(step):
 
 
 def leave_on_early_signals():
-    """Until cli.run_command takes the signals over: nothing is written yet, so leave."""
+    """Until cli.run_command takes the signals over: nothing is written yet, so
+    leave.
+"""
 
     def leave(*_):
         os.write(2, b"interrupted before anything was written.\n")

@@ -66,12 +66,13 @@ def build_parser():
 # ----------------------------------------------------------------------------- the step
 @functools.lru_cache(maxsize=8)
 def make_train_step(config, ops=None):
-    """One jitted step: forward over a segment of every row, carry the state, update
-    the params. With grad_accum > 1 the rows are split into micro-batches (each with
-    its own memories) and the gradients summed over all tokens before one update. The
-    buffers are donated, so the memory is updated in place. The pieces are ops, or where
-    none is given kernels.of(config): the model file's own where config.ops is "plain",
-    else kernels.py's. The step's dropout draws from its seed and the step count."""
+    """One jitted step: forward over a segment of every row, carry the state,
+    update the params. With grad_accum > 1 the rows are split into micro-batches
+    (each with its own memories) and the gradients summed over all tokens before
+    one update. The buffers are donated, so the memory is updated in place. The
+    pieces are ops, or where none is given kernels.of(config): the model file's
+    own where config.ops is "plain", else kernels.py's. The step's dropout draws
+    from its seed and the step count."""
     ops = ops or kernels.of(config)
     _, opt_update = optimizer.make_optimizer(config)
 
@@ -139,7 +140,9 @@ def fresh_start(config):
 
 # ----------------------------------------------------------------------------- the loop
 def train(args, given):
-    """Join the run's other processes, if any (multihost.py), train, and leave together."""
+    """Join the run's other processes, if any (multihost.py), train, and leave
+    together.
+"""
     multihost.start(args)
     try:
         with contextlib.ExitStack() as quiet:
@@ -152,8 +155,9 @@ def train(args, given):
 
 
 def train_run(args, given):
-    """Train to config.steps from runs.open_run's start, saving every --save-every steps
-    and on Ctrl-C, then evaluate. given: the flags argv gave. Only process 0 writes."""
+    """Train to config.steps from runs.open_run's start, saving every
+    --save-every steps and on Ctrl-C, then evaluate. given: the flags argv gave.
+    Only process 0 writes."""
     t_start = time.time()
     with contextlib.ExitStack() as held:  # the run directory's lock
         run = runs.open_run(args, given, held, fresh_start)  # every check, before any write
@@ -186,7 +190,8 @@ def train_run(args, given):
 
 # ----------------------------------------------------------------------------- the loop's chores
 def model_inputs(batch, config):
-    """The arrays of a batch the step takes, its token ids checked against the vocabulary."""
+    """The arrays of a batch the step takes, its token ids checked against the
+    vocabulary."""
     data.check_tokens(batch["tokens"], config.vocab_size)
     return evaluation.model_inputs(batch)
 
@@ -216,7 +221,8 @@ class Books:
         self.file.close()
 
     def log(self, step, metrics):
-        """One training line, to metrics.jsonl (JSON) and to stdout, every --log-every steps."""
+        """One training line, to metrics.jsonl (JSON) and to stdout, every
+        --log-every steps."""
         self.tokens_since += int(metrics["tokens"])
         if step % self.args.log_every and step != self.config.steps:
             return
@@ -242,7 +248,8 @@ class Books:
         )
 
     def evaluate(self, step, params):
-        """The learning curve: the held-out documents' first --curve-tokens, every --eval-every."""
+        """The learning curve: the held-out documents' first --curve-tokens,
+        every --eval-every."""
         every = self.args.eval_every
         if not every or step % every or step >= self.config.steps:
             return
@@ -252,8 +259,8 @@ class Books:
         self.file.write(json.dumps(evaluation.eval_record(step, r)) + "\n")
 
     def save(self, step, trees, stopping):
-        """A checkpoint every --save-every steps, at the last step and on Ctrl-C; the
-        first one that cannot be written undoes the run."""
+        """A checkpoint every --save-every steps, at the last step and on
+        Ctrl-C; the first one that cannot be written undoes the run."""
         if step % self.args.save_every and step != self.config.steps and not stopping:
             return
         whole = multihost.gather(trees)  # every process's rows
@@ -278,7 +285,9 @@ class Books:
         return 130
 
     def final_evaluation(self, step, params):
-        """Every held-out document scored whole (or its first --eval-tokens): eval.json."""
+        """Every held-out document scored whole (or its first --eval-tokens):
+        eval.json.
+"""
         run, out = self.run, self.run.out
         try:
             result = evaluation.full_evaluation(
@@ -326,9 +335,9 @@ def describe(run, params):
 
 
 def note_repeats(run):
-    """Say so at the start when the run will read its training tokens more than once, and
-    how many times: a regime of its own (the training loss is then of text seen before),
-    where dropout helps (README, "Real text")."""
+    """Say so at the start when the run will read its training tokens more than
+    once, and how many times: a regime of its own (the training loss is then of
+    text seen before), where dropout helps (README, "Real text")."""
     c, tokens = run.config, sum(map(len, run.train_docs))
     times = c.steps * c.batch_size * c.segment_length / max(tokens, 1)
     hint = "; --dropout 0.1 or 0.2 makes the model learn it by heart less" if not c.dropout else ""
