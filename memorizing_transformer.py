@@ -420,7 +420,7 @@ def combine(out, found, gate_bias, config, lse=None, no_match=None):
     config.memory_combine says. lse: the retrieved and the local logits' log
     normalizers [B, H, T] (joint's; the first alone with no_match). In add and joint,
     b_g is a constant (its init) that weighs the retrieved side by e^b_g; memory_off
-    sets it to -1e9. no_match [H]: the logit of retrieving nothing (deviation 11). A
+    sets it to -1e9. no_match [H]: the logit of retrieving nothing (deviation 8). A
     query with no valid memory (a document's first segment) keeps its out."""
     b = gate_bias[None, :, None]  # [1, H, 1]
     if config.memory_combine == "gate":  # Eq. (2): V_a = V_m * g + V_c * (1 - g), g = sigmoid(b_g)
@@ -461,7 +461,7 @@ def commit_memory(state, reset, config, clear=clear_rows):
     state.prev_k, prev_v [B, L, H, T, D], to the others' memories mem_k, mem_v [B, Lm, H, M,
     D], unless all of it was padding (padding never costs a slot). reset [B] -> the State.
     Sec. 3.1 retrieves, then appends; here the append waits for the next call, which searches
-    the same memory, so that XLA writes it in place (deviation 5)."""
+    the same memory, so that XLA writes it in place (deviation 3)."""
     keep = ~reset.astype(bool)  # [B]
     append = keep & jnp.any(state.prev_valid, axis=1)  # [B]
     layers = list(config.active_memory_layers)
@@ -478,7 +478,7 @@ def commit_memory(state, reset, config, clear=clear_rows):
 
 # ------------------------------------------------------------- beyond the paper: crowded memories
 def age_bias(mem_pos, M, config):
-    """Compute each slot's score bias, -beta log2(1 + age / T) (deviation 10).
+    """Compute each slot's score bias, -beta log2(1 + age / T) (deviation 7).
     Its age: the tokens since it was written, counted back from the
     write position mem_pos [B] (slot mem_pos - 1 holds the last token
     written) -> [B, M]. Among look-alikes, the recent ones win."""
@@ -489,7 +489,7 @@ def age_bias(mem_pos, M, config):
 def with_other_rows(x, d, axis):
     """Follow row b of x [B, ...] by rows b + 1, ..., b + d - 1 (mod B)
     along `axis`: its memory and those of d - 1 other documents
-    (deviation 12). M -> d M along `axis`."""
+    (deviation 9). M -> d M along `axis`."""
     return jnp.concatenate([jnp.roll(x, -j, axis=0) for j in range(d)], axis=axis)
 
 

@@ -15,14 +15,15 @@ O=${OUT:-$(mktemp -d)}; W=$(mktemp -d); mkdir -p "$O"
 PY=${PY:-python3}
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$O/timeline.log"; }
 if [ "${SMOKE:-0}" = 1 ]; then
-  PRESET="--preset tiny --batch-size 4 --eval-docs 1 --eval-tokens 512"; TRAIN_S=60
+  PRESET="--preset tiny --batch-size 2 --eval-docs 1 --eval-tokens 512"; TRAIN_S=60
   BENCH="--preset tiny --batch-size 2 --memory-sizes 0,1024 --timed-steps 1"; SIZES=512,1024
-  TESTS="test_memorizing_transformer.py -k t5_buckets"; PACKAGES=2
+  TESTS="test_memorizing_transformer.py -k t5_buckets"; PACKAGES=6; STDLIB=json
 else
   PRESET="--preset small --dtype bfloat16 --eval-docs 4 --eval-tokens 65536"; TRAIN_S=240
   BENCH="--preset paper --batch-size 32 --dtype bfloat16 --timed-steps 3 --train-only"
   BENCH="$BENCH --attention fused --rounds 5 --compile-jobs 3 --memory-sizes 0,8192,65536"
   SIZES=2048,8192,65536; TESTS="test_memorizing_transformer.py test_kernels.py"; PACKAGES=99
+  STDLIB=.
 fi
 nvidia-smi -L 2>/dev/null; $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
@@ -30,7 +31,8 @@ el "in parallel: the corpus's tokens (CPU) and the benchmark (GPU)"
 prep() {  # the packages' Python files and the standard library, tokenized once for both runs
   mkdir -p "$W/code"
   for f in $(ls .gpu/sdists/*.tar.gz 2>/dev/null | head -n $PACKAGES); do tar -xzf "$f" -C "$W/code"; done
-  cp -r "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" "$W/code/stdlib"
+  cp -r "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/$STDLIB" \
+    "$W/code/stdlib"
   $PY train.py $PRESET $DATA --steps 1 --memory-size 0 --eval-every 0 --out "$W/prep" \
     > "$O/prep.log" 2>&1; echo "prep rc $?" >> "$O/prep.log"
 }
