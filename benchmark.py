@@ -837,8 +837,8 @@ def peer_table(args, common, sizes):
             f"peer: skipped: {why}"
             + (
                 ""
-                if "README" in why
-                else "; the README's 'Against the PyTorch peer' shows what to install."
+                if "performance.md" in why
+                else "; docs/performance.md's 'Against the PyTorch peer' shows what to install."
             )
         )
     ours_runs, theirs_runs = [], []

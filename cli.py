@@ -152,7 +152,7 @@ FLAGS = [
         tuple(sorted(presets.PRESETS)),
         "tiny",
         """named config: tiny (2-core CPU), small (one GPU), paper (Sec. 4.2), synthetic
-        (the 2-layer recipe that learns the synthetic task, README)""",
+        (the 2-layer recipe that learns the synthetic task, docs/results.md)""",
     ),
     Flag(
         "--data",
@@ -727,7 +727,7 @@ def run_command(command, args):
                 "error: JAX could not start its backend "
                 f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): "
                 f"{' '.join(str(e).split()) or 'no backend'}; unset JAX_PLATFORMS to let JAX "
-                "choose one, or see the README's GPU install."
+                "choose one, or see the README's 'On a GPU'."
             )
         else:
             raise

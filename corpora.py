@@ -556,7 +556,7 @@ def synthetic_documents(num_docs=4000, seed=0, num_names=16, length=1024, segmen
 
 
 def synthetic_halves(num_docs=4, seed=0, candidates=1000):
-    """The synthetic task across documents (README, "Memorize a code base"):
+    """The synthetic task across documents (docs/memorize.md, "The mechanism"):
     documents of synthetic_documents that share no name, each cut after the line
     that defines its last name, as [(bindings, uses)]. Memorized, the first
     halves hold every binding; the second halves' first reference to each name

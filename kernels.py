@@ -4,7 +4,8 @@ signature and result (the tests hold them equal in values and gradients):
   ops = fast(memory_chunk=1024, attention="explicit")   # FAST: fast() with its defaults
   logits, state = mt.forward(params, state, tokens, reset, config, ops=ops)
 
-What each buys, and on which backend, is in the README's table "What the kernels buy".
+What each buys, and on which backend, is in docs/performance.md's table "What
+the kernels buy".
 """
 
 import functools

@@ -51,7 +51,7 @@ def build_parser():
     cli.add(p, ["--memory-size"], unset="every memorized token, and the run's M free",
             helps={"--memory-size": "slots of the memory file, a positive multiple of T; fewer "
                    "than the tokens keeps the last ones (FIFO)"})
-    cli.add(p, ["--memory-dtype", "--ops"], unset="the run's")
+    cli.add(p, ["--memory-dtype", "--memory-age-bias", "--ops"], unset="the run's")
     return p
 
 

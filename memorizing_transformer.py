@@ -197,8 +197,8 @@ def init_state(config, batch_size):
 
 
 def init_params(config, rng):
-    """Initialize the parameters, nested dicts of float32 arrays; the README explains each
-    choice."""
+    """Initialize the parameters, nested dicts of float32 arrays; docs/usage.md's
+    "Initialization" gives the reasons."""
     c, E, H, D, F = config, config.d_model, config.num_heads, config.head_dim, config.d_ff
     # One key for each normal() below: six matrices a layer, then the embedding and the output.
     keys = iter(jax.random.split(rng, 6 * c.num_layers + 2))

@@ -1,6 +1,6 @@
 """Adafactor (Shazeer & Stern, 2018) and the schedule of Sec. 4.2: linear
 warmup, then square-root decay. The T5 bias tables and vectors take the plain
-step (README, "Initialization").
+step (docs/usage.md, "Initialization").
 
   init, update = make_optimizer(config)       # optax's (init, update) convention
   updates, opt_state = update(grads, opt_state, params)

@@ -115,8 +115,8 @@ if __name__ == "__main__":
         import torch, faiss, einops, memorizing_transformers_pytorch  # noqa: F401, E401
     except ImportError as e:
         print(
-            f"{e} in {sys.executable}: the README's 'Against the PyTorch peer' shows what to "
-            "install.",
+            f"{e} in {sys.executable}: docs/performance.md's 'Against the PyTorch peer' shows "
+            "what to install.",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -79,7 +79,7 @@ PRESETS = {
         steps=5000,
         warmup_steps=500,
     ),
-    # The synthetic task's recipe (README): two layers, so that the copy circuit's
+    # The synthetic task's recipe (docs/results.md): two layers, so that the copy circuit's
     # second half can only live in the memory layer; a previous-token prior; a
     # rate too low to learn bindings.
     "synthetic": RunConfig(
@@ -99,5 +99,5 @@ PRESETS = {
         init_prev_token_bias=6.0,
     ),
 }
-# A 2-core CPU, minutes: the real-text recipe whose memory helps most (README, "Real text").
+# A 2-core CPU, minutes: the real-text recipe whose memory helps most (README, "Results").
 PRESETS["tiny"] = PRESETS["synthetic"].replace(steps=5000)

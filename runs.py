@@ -294,9 +294,11 @@ def check_output(path, flag, inputs=(), sources=(), caches=()):
                 "corpus's files; name a file outside it."
             )
     for cache in caches:
-        if cache and os.path.isdir(cache) and inside(path, cache):
+        # The cache's own path counts even before the cache exists, which the output would block.
+        if cache and inside(path, cache):
+            where = "is" if os.path.realpath(cache) == real else "is inside"
             raise cli.UsageError(
-                f"{said} is inside the cache {cache}: an output never replaces a cache's files; "
+                f"{said} {where} the cache {cache}: an output never replaces a cache's files; "
                 "name a file outside it."
             )
     if os.path.isdir(real):

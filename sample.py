@@ -156,7 +156,7 @@ def build_parser():
     prompt = p.add_mutually_exclusive_group(required=True)
     cli.add(prompt, ["--prompt", "--prompt-file", "--prompt-doc"])
     cli.add(p, ["--prompt-tokens", "--tokens", "--temperature", "--top-k", "--draw-seed"])
-    cli.add(p, ["--memory-size", "--ops"], unset="the run's")
+    cli.add(p, ["--memory-size", "--memory-age-bias", "--ops"], unset="the run's")
     cli.add(p, ["--memory-off", "--echo", "--load-memory"])
     return p
 

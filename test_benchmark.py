@@ -447,7 +447,7 @@ def test_the_peer_script_answers_bad_arguments_and_a_missing_peer_in_one_line():
         ([], 2, "usage: PYTHON peer_benchmark.py M STEPS"),
         (["8192"], 2, "usage:"),
         (["0", "x"], 2, "usage:"),
-        (["--check"], 1, "the README's 'Against the PyTorch peer'"),
+        (["--check"], 1, "docs/performance.md's 'Against the PyTorch peer'"),
     ):
         proc = subprocess.run(
             [sys.executable, "peer_benchmark.py", *args],

@@ -1,6 +1,6 @@
 """The commands the documentation shows are commands the scripts take.
 
-Every `python SCRIPT.py ...` in README.md (its code blocks and inline code) and in the
+Every `python SCRIPT.py ...` in README.md and docs/ (code blocks and inline code) and in the
 scripts' own usage lines is read here without being run: each flag it names must be one of
 that script's (or that evaluate.py command's) flags, spelled out in full, and a command
 without alternatives (`|`) or elisions (`...`) must parse as a whole, with its placeholders
@@ -103,11 +103,20 @@ def check_command(command):
     return None
 
 
+PAGES = ["README.md"] + sorted(
+    os.path.join("docs", f) for f in os.listdir(os.path.join(HERE, "docs")) if f.endswith(".md")
+)
+
+
 def test_the_readme_shows_commands_and_finds_them_all():
+    """The README shows every script; with the pages of docs/, the reader finds them all."""
     with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
         found = readme_commands(f.read())
     scripts = {c.split()[0] for _, c in found}
     assert set(PARSERS) <= scripts, f"the README never shows {set(PARSERS) - scripts}"
+    for page in PAGES[1:]:
+        with open(os.path.join(HERE, page), encoding="utf-8") as f:
+            found += readme_commands(f.read())
     assert len(found) >= 40
     # Both kinds of place, and a command whose inline code runs over a line break.
     text = (
@@ -122,11 +131,11 @@ def test_the_readme_shows_commands_and_finds_them_all():
     ]
 
 
-@pytest.mark.parametrize("source", ["README.md"] + sorted(PARSERS))
+@pytest.mark.parametrize("source", PAGES + sorted(PARSERS))
 def test_every_command_the_documentation_shows_names_flags_the_script_takes(source):
-    if source == "README.md":
+    if source.endswith(".md"):
         with open(os.path.join(HERE, source), encoding="utf-8") as f:
-            found = [(f"README.md:{n}", c) for n, c in readme_commands(f.read())]
+            found = [(f"{source}:{n}", c) for n, c in readme_commands(f.read())]
     else:
         found = usage_commands(source)
         assert found, f"{source}'s docstring shows no usage"
@@ -155,8 +164,9 @@ def test_a_wrong_flag_an_unknown_command_or_a_bad_value_is_caught():
 
 def test_the_reading_path_stays_plain():
     """The model file is the paper in plain jax.numpy, in at most 640 lines with no docstring over
-    6; the faster forms live in kernels.py. train.py is at most 500 lines, the README at most 520,
-    conftest.py at most 80; startup.py alone manages the C heap."""
+    6; the faster forms live in kernels.py. train.py is at most 500 lines, conftest.py at most 80;
+    startup.py alone manages the C heap. The README guides in at most 250 lines and 2,500 words,
+    its prose in lines of at most 100 characters (tables and code blocks aside)."""
 
     def read(name):
         with open(os.path.join(HERE, name), encoding="utf-8") as f:
@@ -165,7 +175,12 @@ def test_the_reading_path_stays_plain():
     model = read("memorizing_transformer.py")
     assert model.count("\n") <= 640
     assert read("train.py").count("\n") <= 500
-    assert read("README.md").count("\n") <= 520
+    readme = read("README.md")
+    assert readme.count("\n") <= 250
+    assert len(readme.split()) <= 2500
+    prose = re.sub(r"^```.*?^```", "", readme, flags=re.S | re.M)
+    wide = [line for line in prose.splitlines() if len(line) > 100 and line[:1] != "|"]
+    assert not wide, wide
     assert read("conftest.py").count("\n") <= 80
     assert not re.findall(r"custom_vjp|default_backend|bitcast", model)
     long = [
@@ -225,19 +240,34 @@ def test_no_module_imports_itself_through_others():
     assert not circles, " -> ".join(circles[0])
 
 
-def test_the_memorized_bindings_example_runs_as_the_readme_writes_it(
-    finished_run, tmp_path, monkeypatch, capsys
+MEMORIZE_EXAMPLES = {
+    # The code example of the README's "Memorize a code base" on runs/stdlib.
+    "code": ("README.md", "numpy.linalg", "runs/stdlib"),
+    # The bindings of docs/memorize.md's "The mechanism, on the synthetic task".
+    "synthetic": (
+        os.path.join("docs", "memorize.md"),
+        "write_synthetic_halves",
+        "runs/synthetic/memory",
+    ),
+}
+
+
+@pytest.mark.parametrize("example", sorted(MEMORIZE_EXAMPLES))
+def test_a_memorize_example_runs_as_the_documentation_writes_it(
+    example, finished_run, tmp_path, monkeypatch, capsys
 ):
-    """The commands of "The mechanism, on the synthetic task", line by line, in a fresh
-    directory, on the command-line tests' finished synthetic run in place of
-    runs/synthetic/memory (its 2 steps answer nothing: the commands are what is checked)."""
+    """The commands of a memorize example, line by line, in a fresh directory, on the
+    command-line tests' finished synthetic run in place of the run it names (its 2 steps answer
+    nothing: the commands are what is checked)."""
     from test_cli import SCRIPTS
 
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    page, marker, run = MEMORIZE_EXAMPLES[example]
+    with open(os.path.join(HERE, page), encoding="utf-8") as f:
         text = f.read()
-    block = re.search(r"```\n(python -c .*?write_synthetic_halves.*?)```", text, re.S).group(1)
-    (tmp_path / "runs" / "synthetic").mkdir(parents=True)
-    os.symlink(finished_run, tmp_path / "runs" / "synthetic" / "memory")
+    pattern = rf"```\n(python -c [^\n]*{re.escape(marker)}.*?)```"
+    block = re.search(pattern, text, re.S).group(1)
+    os.makedirs(tmp_path / os.path.dirname(run))
+    os.symlink(finished_run, tmp_path / run)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(HERE)
     for line in block.splitlines():
@@ -248,5 +278,9 @@ def test_the_memorized_bindings_example_runs_as_the_readme_writes_it(
             assert SCRIPTS[words[1][:-3]](words[2:]) == 0, (line, capsys.readouterr())
         else:  # a shell line
             assert subprocess.run(["bash", "-c", line]).returncode == 0, line
-    out = capsys.readouterr().out
-    assert "memorized tokens: loss" in out and os.path.getsize("halves.csv") > 0, out
+    said = capsys.readouterr()
+    out = said.out + said.err
+    if example == "synthetic":
+        assert "memorized tokens: loss" in out and os.path.getsize("halves.csv") > 0, out
+    else:
+        assert "memorized 2 files" in out and "generated, memory" in out, out

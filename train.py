@@ -54,7 +54,7 @@ def build_parser():
     )
     cli.add(p, ["--preset"] + DATA + cli.CONFIG_FLAGS + RUN)
     several = p.add_argument_group(
-        "several processes (one per host; README)",
+        "several processes (one per host; docs/usage.md)",
         "each process runs the same command but its --process-id; started by SLURM's srun, its "
         "variables stand in for these flags, and JAX_COORDINATOR_ADDRESS for --coordinator. --out "
         "and --cache-dir must be on a file system that every process sees",
@@ -337,7 +337,7 @@ def describe(run, params):
 def note_repeats(run):
     """Say so at the start when the run will read its training tokens more than
     once, and how many times: a regime of its own (the training loss is then of
-    text seen before), where dropout helps (README, "Real text")."""
+    text seen before), where dropout helps (docs/results.md)."""
     c, tokens = run.config, sum(map(len, run.train_docs))
     times = c.steps * c.batch_size * c.segment_length / max(tokens, 1)
     hint = "; --dropout 0.1 or 0.2 makes the model learn it by heart less" if not c.dropout else ""
