@@ -29,6 +29,11 @@ class RunConfig(mt.Config):
     )
     lr: float = knob(1.0, positive_number, "base learning rate (1.0 in the paper)")
     warmup_steps: int = knob(1000, mt.count, "linear warmup steps before square-root decay")
+    cross_batch_ramp: int = knob(
+        0, mt.count,
+        "steps over which cross_batch's d grows from 1, a row at a time in equal stages (0: d "
+        "from the first step)",
+    )
     seed: int = knob(
         0, seed_rule,
         "seed of the initialization and of the order in which rows take training documents; the "
@@ -59,6 +64,20 @@ class RunConfig(mt.Config):
             self.cross_batch <= rows,
             f"cross_batch ({self.cross_batch}) must be at most the {rows} rows of a micro-batch.",
         )
+        check(
+            not self.cross_batch_ramp or self.cross_batch > 1,
+            f"cross_batch_ramp ({self.cross_batch_ramp}) needs a cross_batch above 1 to grow to.",
+        )
+
+
+def cross_batch_at(config, step):
+    """d, the rows each row's search covers, in training step `step` (0-based): with a ramp of
+    R steps, 1 for the first R / d steps, 2 for the next R / d, and so on, then d from step R
+    on, so that the layer first learns to use its memory and then to tell it from others'."""
+    d, ramp = config.cross_batch, config.cross_batch_ramp
+    if not ramp or step >= ramp:
+        return d
+    return 1 + step * d // ramp
 
 
 PRESETS = {

@@ -321,6 +321,45 @@ def test_ops_plain_trains_the_model_files_own_pieces_to_the_losses_of_the_kernel
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["config"]["ops"] == "plain"
 
 
+def test_the_cross_batch_ramp_grows_d_a_row_at_a_time_in_equal_stages():
+    """cross_batch 4 over a ramp of 8000 steps: 2000 steps each of d = 1, 2, 3, then 4 from step
+    8000 on; without a ramp, d from the first step. The reference writes the stages out."""
+    c = presets.PRESETS["tiny"].replace(cross_batch=4, cross_batch_ramp=8000)
+    stages = [1] * 2000 + [2] * 2000 + [3] * 2000 + [4] * 2000 + [4] * 4000
+    assert [presets.cross_batch_at(c, s) for s in range(12000)] == stages
+    flat = c.replace(cross_batch_ramp=0)
+    assert {presets.cross_batch_at(flat, s) for s in range(0, 12000, 7)} == {4}
+
+
+def test_a_ramped_run_trains_each_step_with_its_d_and_its_first_stage_as_a_plain_run(
+    tmp_path, cache, monkeypatch
+):
+    """--cross-batch 2 --cross-batch-ramp 4: steps 1-2 search one row's memory, 3-6 two rows'.
+    Each step runs the step compiled for its d, and the first stage's losses are those of a run
+    without cross-batch, to the bit."""
+    make = train.make_train_step
+    used = []
+
+    def spy(config, ops=None):
+        step = make(config, ops)
+
+        def recorded(*args):
+            used.append(config.cross_batch)
+            return step(*args)
+
+        return recorded
+
+    monkeypatch.setattr(train, "make_train_step", spy)
+    steps = ["--steps", "6", "--eval-every", "100"]
+    ramped = ["--cross-batch", "2", "--cross-batch-ramp", "4"]
+    assert run(tmp_path / "ramp", cache, *steps, *ramped) == 0
+    assert used == [1, 1, 2, 2, 2, 2]
+    assert run(tmp_path / "plain", cache, *steps) == 0
+    ramp, plain = losses(tmp_path / "ramp"), losses(tmp_path / "plain")
+    assert [ramp[s] for s in (1, 2)] == [plain[s] for s in (1, 2)]
+    assert ramp[3] != plain[3]  # two rows' memories from step 3 on
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache, monkeypatch):
     assert (
         run(tmp_path / "full", cache, "--steps", "8", "--save-every", "100", "--eval-every", "4")
@@ -749,6 +788,7 @@ def test_a_sharded_step_on_4_devices_gives_the_same_loss_as_on_one(
         (["--valid-fraction", "0.99"], "the corpus has 1 document, fewer than the 4 batch rows"),
         (["--suffixes", ".py,,.c"], "comma-separated file name endings"),
         (["--suffixes", ".py"], "--suffixes applies to a repository PATH"),
+        (["--cross-batch-ramp", "8"], "cross_batch_ramp (8) needs a cross_batch above 1"),
     ],
 )
 def test_bad_flags_get_one_sentence_and_exit_code_2(tmp_path, cache, capsys, flags, message):

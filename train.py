@@ -34,6 +34,7 @@ import kernels
 import memorizing_transformer as mt
 import multihost
 import optimizer
+import presets
 import runs
 
 # ----------------------------------------------------------------------------- what is trained
@@ -165,7 +166,15 @@ def train_run(args, given):
             return say_done(run)
         config, stream, step = run.config, run.stream, run.step
         params, opt_state, state, place = multihost.distribute(run.params, run.opt_state, run.state)
-        train_step = startup.after_compile(make_train_step(evaluation.step_config(config)))
+        steps_by_d = {}  # a compiled step per d that the cross-batch ramp reaches
+
+        def train_step(step, *carry):
+            d = presets.cross_batch_at(config, step)
+            if d not in steps_by_d:
+                fixed = evaluation.step_config(config.replace(cross_batch=d, cross_batch_ramp=0))
+                steps_by_d[d] = startup.after_compile(make_train_step(fixed))
+            return steps_by_d[d](*carry)
+
         print(describe(run, params), flush=True)
         note_repeats(run)
         runs.note_unused_pieces(run.tok_path, config.vocab_size)
@@ -173,7 +182,7 @@ def train_run(args, given):
             while step < config.steps:
                 batch = place(model_inputs(next(stream), config))
                 params, opt_state, state, metrics = train_step(
-                    params, opt_state, state, batch, config.seed
+                    step, params, opt_state, state, batch, config.seed
                 )
                 step += 1
                 metrics = multihost.gather(metrics)
